@@ -1,0 +1,103 @@
+"""Engine configuration: one dataclass per concern, vLLM's names for every knob."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
+
+
+def parse_memory(value: int | float | str | None) -> int | None:
+    """Parse a byte count given as an int or a string such as "2GiB", "512MB", "1.5G"."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} (use bytes or e.g. '2GiB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU computes bf16 matmuls natively (AVX512_BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if dtype not in names:
+        raise ValueError(f"dtype: unknown {dtype!r}; choose auto, float32 or bfloat16")
+    return names[dtype]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes; None = a share of free RAM
+    # Share of available RAM the KV pool takes when kv_cache_memory is not given.
+    memory_fraction: float = 0.25
+    max_default_bytes: int = 4 << 30
+
+    def pool_bytes(self) -> int:
+        explicit = parse_memory(self.kv_cache_memory)
+        if explicit is not None:
+            if explicit <= 0:
+                raise ValueError("kv_cache_memory must be positive")
+            return explicit
+        avail = psutil.virtual_memory().available
+        return int(min(avail * self.memory_fraction, self.max_default_bytes))
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None = the model's context length
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kw: Any) -> "EngineConfig":
+        """Build from vLLM-style flat keyword arguments (dtype=, block_size=, ...)."""
+        cache_keys = {"block_size", "kv_cache_memory"}
+        sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
+        top_keys = {"tokenizer", "dtype", "device", "seed"}
+        unknown = set(kw) - cache_keys - sched_keys - top_keys
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        cfg = cls(model=model, **{k: v for k, v in kw.items() if k in top_keys and v is not None})
+        cfg.cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_keys and v is not None})
+        cfg.scheduler = SchedulerConfig(**{k: v for k, v in kw.items() if k in sched_keys and v is not None})
+        if cfg.cache.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if cfg.scheduler.max_num_seqs <= 0 or cfg.scheduler.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        return cfg
