@@ -1,0 +1,113 @@
+"""Scheduler: continuous batching with one rule.
+
+Every running sequence is scheduled for the tokens it still needs (num_tokens - num_computed_tokens),
+within a per-step token budget and a sequence cap. A decode needs one token; a prompt gets a chunk.
+That single rule yields chunked prefill and mixed prefill/decode steps, as in vLLM v1. When the pool
+runs dry, the newest running sequence is preempted (KV dropped, recomputed later). FCFS order.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.engine.request import SeqStatus, Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)  # tokens per scheduled sequence
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling joins right behind its parent's KV (it shares the parent's blocks)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1) Running sequences first, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to do (should not happen: finished seqs leave at once)
+                i += 1
+                continue
+            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_scheduled.append(num_new)
+                scheduled.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the newest, nothing after it
+
+        # 2) Admit waiting sequences (FCFS) while budget, seats and blocks allow; never jump a preemption.
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                    break
+                self.waiting.popleft()
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                out.seqs.append(seq)
+                out.num_scheduled.append(num_new)
+                budget -= num_new
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Drop the sequence's KV; it is recomputed (prompt + output so far) when readmitted."""
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED

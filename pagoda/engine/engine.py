@@ -1,0 +1,200 @@
+"""LLMEngine: the step loop. Each step is schedule -> run the model -> sample -> update requests."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineConfig, resolve_dtype
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.request import Request, SeqStatus, Sequence
+from pagoda.executor.model_runner import ModelRunner
+from pagoda.layers.sampler import Sampler, SamplingBatch
+from pagoda.model.args import ModelArgs
+from pagoda.model.loader import resolve_model_files
+from pagoda.model.tokenizer import load_tokenizer
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preempted: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.files = resolve_model_files(config.model)
+        self.args = ModelArgs.from_hf_config(self.files.hf_config)
+        self.tokenizer = load_tokenizer(self.files if config.tokenizer is None else config.tokenizer)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        sched_cfg = config.scheduler
+        self.max_model_len = min(sched_cfg.max_model_len or self.args.max_position_embeddings,
+                                 self.args.max_position_embeddings)
+        if sched_cfg.max_model_len and sched_cfg.max_model_len > self.args.max_position_embeddings:
+            raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's context "
+                             f"{self.args.max_position_embeddings}")
+        self.runner = ModelRunner(config, self.files, self.args, self.dtype)
+        num_blocks = config.cache.pool_bytes() // self.runner.kv_bytes_per_block()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+        self.stats = StepStats()
+        logger.info("KV pool: %d blocks of %d tokens (%.0f MiB), dtype %s", num_blocks, config.cache.block_size,
+                    num_blocks * self.runner.kv_bytes_per_block() / 2**20, self.dtype)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError for anything that can never run."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        if any(t < 0 or t >= self.args.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.args.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, but the model's context (max_model_len) is "
+                             f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens")
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                             f"max_model_len {self.max_model_len}")
+        need = self.kv.blocks_needed(len(ids) + max_tokens)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt ({len(ids)}) plus max_tokens ({max_tokens}) needs {need} KV blocks but the "
+                             f"pool has only {self.kv.pool.num_blocks}: raise kv_cache_memory or lower max_tokens")
+        rid = request_id if request_id is not None else str(next(self._req_ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, text, ids, params, max_tokens)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self._new_sequence(req, list(ids))
+        self.scheduler.add(req.seqs[0])
+        self.requests[rid] = req
+        return req
+
+    def _new_sequence(self, req: Request, token_ids: list[int]) -> Sequence:
+        index = len(req.seqs)
+        seq = Sequence(next(self._seq_ids), req, index, token_ids, len(req.prompt_token_ids))
+        if req.params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(req.params.seed + index)
+        seq.decoder = self.tokenizer.decode_stream(req.params.skip_special_tokens)
+        if req.params.logprobs is not None:
+            seq.logprobs = []
+        req.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        req.aborted = True
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return outputs of every request that changed (finished ones last time)."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler is stuck: a waiting request cannot get KV blocks")
+            return []
+        now = time.time()
+        for seq in sched.seqs:
+            m = seq.request.metrics
+            if m is not None and m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        out = self.runner.execute(sched, self.kv.block_tables)
+        self._record_prompt_logprobs(sched, out.prompt_logits)
+        for seq, n in zip(sched.seqs, sched.num_scheduled):
+            seq.num_computed_tokens += n
+        rows = self._fork_parallel_samples(sched, out.sample_rows)
+        touched: dict[str, Request] = {}
+        if rows:
+            seqs = [s for s, _ in rows]
+            logits = out.sample_logits[torch.tensor([r for _, r in rows])]
+            sampled = self.sampler(logits, self._sampling_batch(seqs))
+            self.outputs.append_tokens(seqs, sampled)
+            for seq in seqs:
+                touched[seq.request.request_id] = seq.request
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
+        self.stats.num_scheduled_tokens += sched.total_tokens
+        self.stats.num_generated_tokens += len(rows)
+        self.stats.num_preempted += len(sched.preempted)
+        results = []
+        for req in touched.values():
+            results.append(self.outputs.make_output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return results
+
+    def _fork_parallel_samples(self, sched: SchedulerOutput, sample_rows: list[int]) -> list[tuple[Sequence, int]]:
+        """(seq, logits row) pairs to sample. n > 1: once seq 0 has the prompt's KV, fork n-1 siblings
+        that share its blocks and sample from the same logits row (copy-on-write on divergence)."""
+        rows = []
+        for logit_row, sched_row in enumerate(sample_rows):
+            seq = sched.seqs[sched_row]
+            rows.append((seq, logit_row))
+            req = seq.request
+            if seq.index == 0 and len(req.seqs) < req.params.n and seq.num_output_tokens == 0:
+                for _ in range(req.params.n - 1):
+                    child = self._new_sequence(req, list(seq.token_ids))
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.kv.fork(seq.seq_id, child.seq_id)
+                    self.scheduler.add_running(child)
+                    rows.append((child, logit_row))
+        return rows
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.request.params for s in seqs]
+        banned = []
+        for s, p in zip(seqs, params):
+            if s.num_output_tokens < p.min_tokens:
+                banned.append(sorted(self.outputs.stop_ids(p)))
+            else:
+                banned.append([])
+        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
+        return SamplingBatch(
+            params=params,
+            generators=[s.generator for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+            prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+            banned_token_ids=banned,
+        )
+
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
+        for row, logits in prompt_logits.items():
+            seq = sched.seqs[row]
+            self.outputs.append_prompt_logprobs(seq.request, seq.num_computed_tokens, logits)

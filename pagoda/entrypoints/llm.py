@@ -1,0 +1,81 @@
+"""The offline API, shaped like vLLM's: LLM(...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm import tqdm
+
+from pagoda.config import EngineConfig
+from pagoda.engine.engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    `model` is a Hugging Face folder (config.json + *.safetensors + tokenizer files) or a .gguf file;
+    None uses the embedded SmolLM2-135M-Instruct. Keyword arguments take vLLM's names: dtype,
+    max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory, max_model_len, seed.
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs))
+
+    def get_tokenizer(self):  # noqa: ANN201 - pagoda.model.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids or {"prompt_token_ids": [...]}) in one batch run."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompt_list):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompt_list, params):
+                if isinstance(prompt, dict):
+                    prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+                ids.append(self.engine.add_request(prompt, p).request_id)
+        except Exception:
+            for rid in ids:  # leave the engine as we found it
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                              add_special_tokens=False) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in request_ids]

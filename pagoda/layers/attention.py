@@ -1,0 +1,37 @@
+"""Attention over the paged KV cache: write this step's K/V into the pool, then read through block tables."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagoda.kernels.paged_attention import paged_attention, write_kv_cache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Flat (varlen) description of one step's batch, shared by every layer."""
+
+    slot_mapping: torch.Tensor     # int64 [T]: cache slot of each new token
+    block_tables: torch.Tensor     # int32 [B, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor         # int32 [B]: context length including this step's tokens
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        # Bound by the model runner to this layer's slice of the block pool.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq*D]."""
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                              meta.query_start_loc, meta.seq_lens, self.scale)
+        return out.reshape(q.shape[0], -1)

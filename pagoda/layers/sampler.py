@@ -1,0 +1,129 @@
+"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+
+One call samples every row of a step. Rows that share nothing still go through the same tensor ops;
+only per-row seeded noise draws loop in Python (one small draw per seeded row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for one step (row = one sequence that samples this step)."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    output_token_ids: list[list[int]]      # for presence/frequency penalties
+    prompt_token_ids: list[list[int]]      # repetition penalty covers prompt and output
+    banned_token_ids: list[list[int]]      # EOS/stop ids while below min_tokens
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.all_greedy = all(x.greedy for x in p)
+        self.any_penalty = any(x.presence_penalty or x.frequency_penalty or x.repetition_penalty != 1.0 for x in p)
+        self.any_top_k = any(x.top_k > 0 for x in p)
+        self.any_top_p = any(x.top_p < 1.0 for x in p)
+        self.any_min_p = any(x.min_p > 0.0 for x in p)
+        self.max_logprobs = max((x.logprobs for x in p if x.logprobs is not None), default=-1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Only when some row asked for logprobs: per row, the sampled token's logprob and rank, and top-k.
+    sampled_logprobs: list[float] | None = None
+    sampled_ranks: list[int] | None = None
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """OpenAI presence/frequency penalties on output tokens; CTRL-style repetition penalty on all seen."""
+    B, V = logits.shape
+    out_counts = torch.zeros(B, V, dtype=logits.dtype)
+    seen = torch.zeros(B, V, dtype=torch.bool)
+    for i, (out_ids, prompt_ids) in enumerate(zip(batch.output_token_ids, batch.prompt_token_ids)):
+        if out_ids:
+            ids = torch.tensor(out_ids, dtype=torch.long)
+            out_counts[i].index_add_(0, ids, torch.ones(len(out_ids), dtype=logits.dtype))
+            seen[i, ids] = True
+        if batch.params[i].repetition_penalty != 1.0 and prompt_ids:
+            seen[i, torch.tensor(prompt_ids, dtype=torch.long)] = True
+    rep = torch.tensor([p.repetition_penalty for p in batch.params], dtype=logits.dtype).unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    freq = torch.tensor([p.frequency_penalty for p in batch.params], dtype=logits.dtype).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in batch.params], dtype=logits.dtype).unsqueeze(1)
+    return logits - freq * out_counts - pres * (out_counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets."""
+    V = logits.shape[1]
+    if batch.any_top_k or batch.any_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if batch.any_top_k:
+            k = torch.tensor([p.top_k if p.top_k > 0 else V for p in batch.params]).clamp(max=V)
+            mask |= torch.arange(V).unsqueeze(0) >= k.unsqueeze(1)
+        if batch.any_top_p:
+            probs = sorted_logits.masked_fill(mask, _NEG_INF).softmax(dim=-1)
+            top_p = torch.tensor([p.top_p for p in batch.params], dtype=probs.dtype).unsqueeze(1)
+            # Keep a token if the mass before it is below top_p (the top token is always kept).
+            mask |= (probs.cumsum(dim=-1) - probs) >= top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(mask, _NEG_INF))
+    if batch.any_min_p:
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in batch.params], dtype=probs.dtype).unsqueeze(1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, _NEG_INF)
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: fp32 [B, V] -> one token per row."""
+        logits = logits.float()
+        if batch.any_penalty:
+            logits = apply_penalties(logits, batch)
+        for i, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits[i, banned] = _NEG_INF
+        # Logprobs report the model's distribution after penalties, before temperature/truncation.
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
+
+        greedy_ids = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            token_ids = greedy_ids
+        else:
+            temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params],
+                                 dtype=logits.dtype).unsqueeze(1)
+            scaled = apply_top_k_top_p_min_p(logits / temps, batch)
+            probs = scaled.softmax(dim=-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p; seeded rows
+            # draw their own noise so they reproduce whatever else shares the batch.
+            noise = torch.empty_like(probs).exponential_()
+            for i, g in enumerate(batch.generators):
+                if g is not None and not batch.params[i].greedy:
+                    noise[i].exponential_(generator=g)
+            sampled = (probs / noise).argmax(dim=-1)
+            is_greedy = torch.tensor([p.greedy for p in batch.params])
+            token_ids = torch.where(is_greedy, greedy_ids, sampled)
+
+        out = SamplerOutput(token_ids=token_ids.tolist())
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))
+            out.sampled_logprobs = chosen.squeeze(1).tolist()
+            out.sampled_ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+            k = batch.max_logprobs
+            if k > 0:
+                top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+                out.topk_ids = top_ids.tolist()
+                out.topk_logprobs = top_vals.tolist()
+        return out

@@ -1,0 +1,141 @@
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5) over a flat varlen batch.
+
+Projections are fused at load (q|k|v and gate|up) so a layer runs three matmuls, not seven.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.layers.attention import AttentionMetadata, PagedAttention
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.model.args import ModelArgs
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: ModelArgs, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
+        # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias and not _is_qwen2(a))
+        self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim)
+        self.rope = rope
+        self.head_dim = a.head_dim
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, -1, self.head_dim)
+        k = k.view(T, -1, self.head_dim)
+        v = v.view(T, -1, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(a, rope)
+        self.mlp = LlamaMLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.args = a
+        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into their packed parameters."""
+        params = dict(self.named_parameters())
+        a = self.args
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        fused = {"q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
+                 "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+                 "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
+                 "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and a.tie_word_embeddings:
+                continue
+            target, offset, size = name, 0, None
+            for part, (packed, off, sz) in fused.items():
+                if f".{part}." in name:
+                    target, offset, size = name.replace(part, packed), off, sz
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
+            p = params[target]
+            dst = p.data if size is None else p.data.narrow(0, offset, size)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        expected = _expected_names(a)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
+
+
+def _expected_names(a: ModelArgs) -> set[str]:
+    names = {"embed_tokens.weight", "norm.weight"}
+    if not a.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(a.num_layers):
+        p = f"layers.{i}."
+        names |= {p + s for s in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")}
+        if a.attention_bias:
+            names |= {p + f"self_attn.{x}_proj.bias" for x in ("qkv" if _is_qwen2(a) else "qkvo")}
+    return names
+
+
+def _is_qwen2(a: ModelArgs) -> bool:
+    return a.architecture == "Qwen2ForCausalLM"

@@ -1,0 +1,109 @@
+"""Greedy generation equals HF transformers token for token in float32, on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 250], list(range(10, 47)), [7], [400, 401, 402, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+           list(range(100, 300, 3))]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
+                                 min_new_tokens=max_new, pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def run(model_dir: str, default_gguf: str, max_new: int, **kw) -> list[list[int]]:
+    llm = LLM(model_dir, tokenizer=default_gguf, dtype="float32", **kw)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_llama):
+    return hf_greedy(tiny_llama, PROMPTS, 24)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen2(tiny_qwen2):
+    return hf_greedy(tiny_qwen2, PROMPTS, 24)
+
+
+def test_tiny_llama_greedy_matches_hf(tiny_llama, default_gguf, hf_llama):
+    assert run(tiny_llama, default_gguf, 24) == hf_llama
+
+
+def test_tiny_qwen2_with_bias_and_tied_embeddings_matches_hf(tiny_qwen2, default_gguf, hf_qwen2):
+    assert run(tiny_qwen2, default_gguf, 24) == hf_qwen2
+
+
+def test_chunked_prefill_small_budget_matches_hf(tiny_llama, default_gguf, hf_llama):
+    assert run(tiny_llama, default_gguf, 24, max_num_batched_tokens=16, block_size=4) == hf_llama
+
+
+def test_preempted_requests_resume_with_identical_tokens(tiny_llama, default_gguf, hf_llama):
+    # A pool of 24 blocks x 4 tokens cannot hold all five sequences at once: preemption must occur.
+    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", block_size=4,
+              kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4)
+    assert llm.engine.kv.pool.num_blocks == 24
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_llama
+    assert llm.engine.kv.pool.num_free == 24
+
+
+def test_parallel_sampling_shares_prompt_blocks_and_each_sample_is_greedy(tiny_llama, default_gguf, hf_llama):
+    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", block_size=4)
+    outs = llm.generate(PROMPTS, SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for out, ref in zip(outs, hf_llama):
+        assert len(out.outputs) == 3
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for c in out.outputs:
+            assert c.token_ids == ref
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_smollm_gguf_greedy_matches_hf(smollm_llm, default_gguf):
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+    path = Path(default_gguf)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tok = smollm_llm.get_tokenizer()
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time, in a land far away,"]
+    outs = smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), prompt
+
+
+def test_prompt_logprobs_match_hf_log_softmax(tiny_llama, default_gguf):
+    from transformers import AutoModelForCausalLM
+    prompt = list(range(20, 60))
+    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", max_num_batched_tokens=16)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        tok = prompt[pos]
+        assert tok in entry
+        assert abs(entry[tok].logprob - ref[pos - 1, tok].item()) < 1e-4
+        top = ref[pos - 1].topk(3)
+        for rank, (val, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+            assert abs(entry[tid].logprob - val) < 1e-4
+            assert entry[tid].rank == rank
