@@ -1,0 +1,147 @@
+"""Paged attention: C++ kernel vs pure-torch reference vs dense causal SDPA."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pagoda.kernels.paged_attention as pa
+
+
+def make_batch(specs, hq, hkv, d, bs, dtype, seed=0):
+    """Random paged batch; specs = [(q_len, seq_len)]. Cache holds NaN in unused slots
+    so any read outside a sequence's valid keys poisons the output."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [math.ceil(s / bs) for _, s in specs]
+    num_blocks = sum(nblk) + 3
+    k_cache = torch.full((num_blocks, hkv, bs, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = torch.randperm(num_blocks, generator=g)  # shuffled, non-contiguous blocks
+    block_tables = torch.zeros(len(specs), max(nblk), dtype=torch.int32)
+    dense_k, dense_v, qs, used = [], [], [], 0
+    for b, (q_len, seq_len) in enumerate(specs):
+        blocks = perm[used:used + nblk[b]]
+        used += nblk[b]
+        block_tables[b, : nblk[b]] = blocks.int()
+        k = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
+        v = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
+        slots = blocks.repeat_interleave(bs)[:seq_len] * bs + torch.arange(seq_len) % bs
+        pa.write_kv_cache(k, v, k_cache, v_cache, slots)
+        dense_k.append(k)
+        dense_v.append(v)
+        qs.append(torch.randn(q_len, hq, d, generator=g).to(dtype))
+    qsl = torch.tensor([0] + [q for q, _ in specs], dtype=torch.int32).cumsum(0).int()
+    seq_lens = torch.tensor([s for _, s in specs], dtype=torch.int32)
+    return torch.cat(qs), k_cache, v_cache, block_tables, qsl, seq_lens, dense_k, dense_v
+
+
+def dense_sdpa(q, dense_k, dense_v, qsl, seq_lens, scale):
+    """Ground truth: per sequence SDPA with an explicit bottom-right-aligned causal mask."""
+    outs = []
+    for b in range(len(dense_k)):
+        qb = q[qsl[b]:qsl[b + 1]].float().transpose(0, 1)  # [Hq, q_len, D]
+        k = dense_k[b].float().transpose(0, 1)
+        v = dense_v[b].float().transpose(0, 1)
+        q_len, s = qb.shape[1], k.shape[1]
+        mask = torch.arange(s)[None, :] <= torch.arange(s - q_len, s)[:, None]
+        outs.append(F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                                   enable_gqa=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+# decode, prefill from scratch, chunked prefill with prior context, non-aligned lengths
+MIXED = [(1, 1), (1, 37), (5, 5), (23, 23), (1, 64), (17, 50), (40, 131), (1, 16), (3, 3), (64, 64)]
+
+needs_kernel = pytest.mark.skipif(not pa.kernel_available(), reason="C++ kernel did not build")
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (9, 3), (8, 8), (8, 1)])
+@pytest.mark.parametrize("bs", [16, 4])
+def test_kernel_matches_reference_and_sdpa_fp32(hq, hkv, bs):
+    d = 64
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, hq, hkv, d, bs, torch.float32, seed=hq * bs)
+    scale = d ** -0.5
+    want = dense_sdpa(q, dk, dv, qsl, sl, scale)
+    ref = pa.paged_attention_reference(q, kc, vc, bt, qsl, sl, scale)
+    got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
+    torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(pa.paged_attention(q, kc, vc, bt, qsl, sl, scale), got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernel_bf16(d):
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, d, 16, torch.bfloat16, seed=d)
+    scale = d ** -0.5
+    want = dense_sdpa(q, dk, dv, qsl, sl, scale)
+    got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
+    assert got.dtype == torch.bfloat16
+    # inputs are exact bf16 in both paths; only the final rounding to bf16 differs
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    ref = pa.paged_attention_reference(q, kc, vc, bt, qsl, sl, scale)
+    torch.testing.assert_close(ref.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_kernel_large_batch_and_long_prefill():
+    specs = [(1, 1 + (7 * i) % 300) for i in range(200)] + [(300, 300), (129, 700)]
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, 4, 2, 64, 16, torch.float32, seed=1)
+    got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
+    torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, sl, 0.125), atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_detects_wrong_causal_offset():
+    """Off-by-one in the causal position (e.g. ignoring prior context) must be visible."""
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch([(8, 20), (1, 9)], 4, 2, 64, 4, torch.float32)
+    got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
+    shifted = dense_sdpa(q, [k[:-1] for k in dk], [v[:-1] for v in dv], qsl, sl - 1, 0.125)
+    assert not torch.allclose(got, shifted, atol=1e-3)
+    # a kernel that treated the last query as attending to one key fewer would differ too
+    assert not torch.allclose(got[-1:], dense_sdpa(q[-1:], [dk[1][:8]], [dv[1][:8]],
+                                                   torch.tensor([0, 1]), sl[1:] - 1, 0.125), atol=1e-3)
+
+
+def test_reference_matches_sdpa_without_kernel(monkeypatch):
+    """The fallback path (PAGODA_DISABLE_CPP_KERNELS=1) is the reference and is exact."""
+    monkeypatch.setenv("PAGODA_DISABLE_CPP_KERNELS", "1")
+    assert not pa.kernel_available()
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, 64, 4, torch.float32, seed=3)
+    got = pa.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
+    torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, sl, 0.125), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, pa.paged_attention_reference(q, kc, vc, bt, qsl, sl, 0.125))
+
+
+def test_write_kv_cache_follows_slots():
+    bs, hkv, d = 4, 2, 8
+    k_cache = torch.zeros(6, hkv, bs, d)
+    v_cache = torch.zeros(6, hkv, bs, d)
+    k = torch.randn(5, hkv, d)
+    v = torch.randn(5, hkv, d)
+    slots = torch.tensor([2 * bs + 3, 5 * bs + 0, 0 * bs + 1, 5 * bs + 2, 3 * bs + 3])
+    pa.write_kv_cache(k, v, k_cache, v_cache, slots)
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[s // bs, :, s % bs], k[t])
+        assert torch.equal(v_cache[s // bs, :, s % bs], v[t])
+    written = torch.zeros(6, bs, dtype=torch.bool)
+    written.view(-1)[slots] = True
+    assert (k_cache.abs().sum((1, 3)) != 0).eq(written).all()  # nothing else touched
+    assert (v_cache.abs().sum((1, 3)) != 0).eq(written).all()
+
+
+def test_write_then_attend_decode_step():
+    """End to end: write a new token's K/V, then attend with seq_lens including it."""
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch([(1, 10), (1, 5)], 4, 2, 64, 4, torch.float32)
+    new_k, new_v = torch.randn(2, 2, 64), torch.randn(2, 2, 64)
+    slots = torch.tensor([int(bt[0, 10 // 4]) * 4 + 10 % 4, int(bt[1, 1]) * 4 + 1])  # positions 10 and 5
+    pa.write_kv_cache(new_k, new_v, kc, vc, slots)
+    sl2 = sl + 1
+    dk2 = [torch.cat([dk[i], new_k[i:i + 1]]) for i in range(2)]
+    dv2 = [torch.cat([dv[i], new_v[i:i + 1]]) for i in range(2)]
+    want = dense_sdpa(q, dk2, dv2, qsl, sl2, 0.125)
+    torch.testing.assert_close(pa.paged_attention(q, kc, vc, bt, qsl, sl2, 0.125), want,
+                               atol=2e-5, rtol=1e-5)
