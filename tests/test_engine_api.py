@@ -1,0 +1,76 @@
+"""The offline API as a user meets it: defaults, stop rules, chat, errors, and the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+
+
+def test_generate_and_chat_on_the_embedded_model(smollm_llm):
+    outs = smollm_llm.generate(["The capital of France is", "def fib(n):"],
+                               SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in outs[0].outputs[0].text
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 16
+    chat = smollm_llm.chat([{"role": "user", "content": "Name three colors."}],
+                           SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.text.strip()
+    assert "<|im_end|>" not in chat.text
+
+
+def test_stop_string_ends_generation_and_is_not_in_the_text(smollm_llm):
+    base = smollm_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16),
+                               use_tqdm=False)[0].outputs[0].text
+    assert "." in base
+    out = smollm_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16, stop="."),
+                              use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "."
+    assert out.text == base[: base.index(".")]
+    kept = smollm_llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=16, stop=["."], include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == base[: base.index(".") + 1]
+
+
+def test_prompt_longer_than_context_is_rejected_with_a_clear_error(tiny_llama, default_gguf):
+    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(100))], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([list(range(10))], SamplingParams(max_tokens=60), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=4), use_tqdm=False)
+    # The engine still serves after rejecting.
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_request_that_can_never_fit_the_pool_is_rejected_not_left_hanging(tiny_llama, default_gguf):
+    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", block_size=4, kv_cache_memory=8 * 2048)
+    assert llm.engine.kv.pool.num_blocks == 8
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.generate([list(range(20))], SamplingParams(max_tokens=20), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_model_path_and_malformed_config_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="config"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_engine_argument_is_a_type_error():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(max_num_seq=4)
+
+
+def test_cli_generate_prints_the_completion():
+    r = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "generate", "The capital of France is",
+                        "--max-tokens", "8", "--dtype", "float32", "--kv-cache-memory", "64MiB"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is") and "Paris" in r.stdout
