@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import pagoda.kernels.paged_attention as pa
+from pagoda.kernels.fused_ops import write_kv_cache
 
 
 def make_batch(specs, hq, hkv, d, bs, dtype, seed=0):
@@ -28,7 +29,7 @@ def make_batch(specs, hq, hkv, d, bs, dtype, seed=0):
         k = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
         v = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
         slots = blocks.repeat_interleave(bs)[:seq_len] * bs + torch.arange(seq_len) % bs
-        pa.write_kv_cache(k, v, k_cache, v_cache, slots)
+        write_kv_cache(k, v, k_cache, v_cache, slots)
         dense_k.append(k)
         dense_v.append(v)
         qs.append(torch.randn(q_len, hq, d, generator=g).to(dtype))
@@ -123,7 +124,7 @@ def test_write_kv_cache_follows_slots():
     k = torch.randn(5, hkv, d)
     v = torch.randn(5, hkv, d)
     slots = torch.tensor([2 * bs + 3, 5 * bs + 0, 0 * bs + 1, 5 * bs + 2, 3 * bs + 3])
-    pa.write_kv_cache(k, v, k_cache, v_cache, slots)
+    write_kv_cache(k, v, k_cache, v_cache, slots)
     for t, s in enumerate(slots.tolist()):
         assert torch.equal(k_cache[s // bs, :, s % bs], k[t])
         assert torch.equal(v_cache[s // bs, :, s % bs], v[t])
@@ -138,7 +139,7 @@ def test_write_then_attend_decode_step():
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch([(1, 10), (1, 5)], 4, 2, 64, 4, torch.float32)
     new_k, new_v = torch.randn(2, 2, 64), torch.randn(2, 2, 64)
     slots = torch.tensor([int(bt[0, 10 // 4]) * 4 + 10 % 4, int(bt[1, 1]) * 4 + 1])  # positions 10 and 5
-    pa.write_kv_cache(new_k, new_v, kc, vc, slots)
+    write_kv_cache(new_k, new_v, kc, vc, slots)
     sl2 = sl + 1
     dk2 = [torch.cat([dk[i], new_k[i:i + 1]]) for i in range(2)]
     dv2 = [torch.cat([dv[i], new_v[i:i + 1]]) for i in range(2)]

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagoda.kernels.paged_attention import paged_attention, write_kv_cache
+from pagoda.kernels.fused_ops import write_kv_cache
+from pagoda.kernels.paged_attention import paged_attention
 
 
 @dataclass(slots=True)

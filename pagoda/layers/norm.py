@@ -1,8 +1,10 @@
-"""RMSNorm, computed in fp32 as HF does, then cast back."""
+"""RMSNorm (fp32 math, HF's rounding), optionally fused with the residual add."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagoda.kernels.fused_ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -11,9 +13,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With `residual`: residual += x (in place) and return the norm of the sum."""
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.kernels.fused_ops import rope_
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scale factor for cos/sin, per the rope_scaling dict."""
@@ -46,15 +48,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * mscale).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale).float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated, same dtype."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward_(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+        """Rotate the q and k parts of fused qkv rows [T, (Hq+2Hkv)*D] in place."""
+        rope_(qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, head_dim)

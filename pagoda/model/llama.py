@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels.fused_ops import silu_and_mul
 from pagoda.layers.attention import AttentionMetadata, PagedAttention
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
@@ -29,13 +29,11 @@ class LlamaAttention(nn.Module):
         self.head_dim = a.head_dim
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, -1, self.head_dim)
-        k = k.view(T, -1, self.head_dim)
-        v = v.view(T, -1, self.head_dim)
-        q, k = self.rope(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        T, D = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        self.rope.forward_(positions, qkv, self.attn.num_heads, self.attn.num_kv_heads, D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D), meta))
 
 
 class LlamaMLP(nn.Module):
@@ -45,8 +43,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -57,9 +54,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output; residual: the running sum (None at the first layer).
+        The residual add is fused into each norm: residual += x, then normalize."""
+        if residual is None:
+            residual = x.clone()
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, meta)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -80,9 +86,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, meta)
+        return self.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,99 @@
+"""Build and load Pagoda's C++ CPU kernels (pagoda/kernels/cpu/*.cpp) once, cached on disk.
+
+The library registers ops under torch.ops.pagoda.*. It compiles lazily on first use with
+torch.utils.cpp_extension and is reused by every later process (keyed by source, torch version,
+flags and CPU). When it cannot be built, or PAGODA_DISABLE_CPP_KERNELS=1, callers use torch fallbacks.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+_EXT_NAME = "pagoda_cpu_kernels"
+# -fopenmp: at::parallel_for is a header template whose `omp parallel` is only active
+# when this translation unit is compiled with OpenMP. The .so then needs libgomp.so.1,
+# which resolves to the copy torch already loaded (same soname): one thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "ok": False, "warned": False}
+
+
+def disabled() -> bool:
+    return os.environ.get("PAGODA_DISABLE_CPP_KERNELS", "0") not in ("", "0", "false", "False")
+
+
+def _cpu_fingerprint() -> str:
+    """-march=native output is CPU specific: a shared home dir must not reuse a build."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_directory() -> Path:
+    """Per source/torch/CPU build dir, so every process reuses one compiled library."""
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    for part in (torch.__version__, " ".join(_CFLAGS), " ".join(_LDFLAGS), _cpu_fingerprint()):
+        h.update(part.encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagoda" / "torch_extensions"
+    return root / h.hexdigest()[:16]
+
+
+def _load() -> bool:
+    """Compile (or reuse) the extension and register torch.ops.pagoda.*; True on success."""
+    if _state["tried"]:  # hot path: no lock once decided
+        return bool(_state["ok"])
+    with _lock:
+        if _state["tried"]:
+            return bool(_state["ok"])
+        try:
+            from torch.utils import cpp_extension
+
+            build_dir = build_directory()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            # torch's file baton in build_dir serializes concurrent builds; a later
+            # process finds ninja up to date and only loads the .so.
+            cpp_extension.load(
+                name=_EXT_NAME,
+                sources=[str(s) for s in _SOURCES],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+            logger.debug("pagoda C++ kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
+            _state["ok"] = hasattr(torch.ops.pagoda, "paged_attention") and hasattr(torch.ops.pagoda, "rms_norm")
+        except Exception as e:  # any build/load failure means: use the torch fallback
+            logger.warning("pagoda C++ kernels unavailable (%s: %s); using the pure-torch fallback",
+                           type(e).__name__, e)
+            _state["warned"] = True
+            _state["ok"] = False
+        _state["tried"] = True  # only now, so the lock-free check never sees a half-done build
+        return bool(_state["ok"])
+
+
+def kernel_available() -> bool:
+    """True when the C++ kernel is enabled and compiled (triggers the lazy build)."""
+    return not disabled() and _load()
+
+

@@ -1,0 +1,65 @@
+"""Fused per-layer ops (RMSNorm with residual add, RoPE, SiLU-and-mul, KV write).
+
+Each has a C++ CPU kernel (pagoda/kernels/cpu/fused_ops.cpp) and a torch fallback with the same
+numerics (fp32 math, HF's rounding points), used off-CPU or when the kernels are unavailable.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels.cpu_extension import kernel_available
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernel_available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * normalize(x); with `residual`: residual += x in place, and the sum is normalized."""
+    if _use_kernel(x) and x.dim() == 2:
+        return torch.ops.pagoda.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate (rotate-half layout) the q and k heads of fused qkv rows [T, (Hq+2Hkv)*D] in place."""
+    if _use_kernel(qkv) and qkv.stride(1) == 1:
+        torch.ops.pagoda.rope_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
+        return
+    T = qkv.shape[0]
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(T, -1, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = head_dim // 2
+    x1, x2 = qk[..., :half].float(), qk[..., half:].float()
+    qk.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up."""
+    if _use_kernel(x) and x.stride(-1) == 1:
+        return torch.ops.pagoda.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store token t's k[t], v[t] ([Hkv, D]) at cache slot slot_mapping[t] = block * block_size + offset."""
+    if _use_kernel(k) and k.dtype == k_cache.dtype and k_cache.is_contiguous() and k.stride(-1) == 1:
+        torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping)
+        return
+    bs = k_cache.shape[2]
+    slots = slot_mapping.long()
+    blocks = torch.div(slots, bs, rounding_mode="floor")
+    offsets = slots - blocks * bs
+    # Two advanced indices around a slice: the indexed view is [T, Hkv, D], matching k.
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)

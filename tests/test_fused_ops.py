@@ -1,0 +1,72 @@
+"""Fused C++ ops equal their torch fallbacks (and HF's math) in fp32 and bf16."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels import fused_ops
+from pagoda.kernels.cpu_extension import kernel_available
+
+
+def test_cpp_kernels_build_on_this_machine():
+    if os.environ.get("PAGODA_DISABLE_CPP_KERNELS"):
+        pytest.skip("kernels disabled by the environment")
+    assert kernel_available(), "the C++ kernels failed to build: see the warning in the log"
+
+
+@pytest.fixture
+def fallback(monkeypatch):
+    monkeypatch.setattr(fused_ops, "_use_kernel", lambda x: False)
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rms_norm_with_and_without_residual(dtype, tol):
+    torch.manual_seed(0)
+    x, res, w = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-5), hf_rms_norm(x, w, 1e-5), atol=tol, rtol=tol)
+    r = res.clone()
+    out = fused_ops.rms_norm(x, w, 1e-5, r)
+    torch.testing.assert_close(r, res + x, atol=tol, rtol=0)
+    torch.testing.assert_close(out, hf_rms_norm(res + x, w, 1e-5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rope_rotates_q_and_k_in_place_and_leaves_v(dtype, tol, monkeypatch):
+    torch.manual_seed(0)
+    Hq, Hkv, D, T = 4, 2, 16, 5
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype)
+    pos = torch.tensor([0, 3, 7, 8, 20])
+    ang = torch.outer(torch.arange(32).float(), 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = ang.cos(), ang.sin()
+    kernel = qkv.clone()
+    fused_ops.rope_(kernel, pos, cos, sin, Hq, Hkv, D)
+    monkeypatch.setattr(fused_ops, "_use_kernel", lambda x: False)
+    ref = qkv.clone()
+    fused_ops.rope_(ref, pos, cos, sin, Hq, Hkv, D)
+    torch.testing.assert_close(kernel, ref, atol=tol, rtol=tol)
+    assert torch.equal(kernel[:, (Hq + Hkv) * D:], qkv[:, (Hq + Hkv) * D:])
+    assert not torch.allclose(kernel[1:, : Hq * D].float(), qkv[1:, : Hq * D].float())
+    # position 0 is the identity rotation
+    torch.testing.assert_close(kernel[0], qkv[0])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_silu_and_mul(dtype, tol):
+    x = torch.randn(6, 2 * 40, dtype=dtype)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), F.silu(gate) * up, atol=tol, rtol=tol)
+
+
+def test_fallbacks_match_kernels(fallback):
+    x, w = torch.randn(3, 32), torch.randn(32)
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), hf_rms_norm(x, w, 1e-6))
+    y = torch.randn(3, 20)
+    torch.testing.assert_close(fused_ops.silu_and_mul(y), F.silu(y[:, :10]) * y[:, 10:])
