@@ -1,0 +1,327 @@
+"""AsyncEngine: drive one LLMEngine from asyncio code.
+
+LLMEngine is not thread-safe, so exactly one background thread owns it: it runs step() in a
+busy loop while there is work and sleeps on a condition variable when idle. Everything else
+(add, abort) reaches the engine as a command on a queue that the worker drains between steps.
+Outputs travel back to the event loop with call_soon_threadsafe, one callback per step, into a
+per-request asyncio.Queue that generate() reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineMetricsHook(Protocol):
+    """What the worker reports; pagoda.entrypoints.server.metrics implements it with prometheus_client."""
+
+    def on_step(self, stats: "EngineStats") -> None: ...
+
+    def on_prompt(self, num_prompt_tokens: int) -> None: ...
+
+    def on_generated(self, num_tokens: int) -> None: ...
+
+    def on_finished(self, output: RequestOutput) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the worker publishes after every step (read from other threads without locks)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_preemptions: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has shut down (or its worker died); no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_tokens: int = 0  # generated tokens seen so far (all choices), for the generation counter
+    finished: bool = False
+
+
+_FINISHED = object()  # sentinel queued after a request's final output
+
+
+class AsyncEngine:
+    def __init__(self, engine: "LLMEngine", metrics: EngineMetricsHook | None = None,
+                 idle_poll_s: float = 1.0) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.stats = EngineStats()
+        self._idle_poll_s = idle_poll_s
+        self._cond = threading.Condition()
+        self._commands: list[tuple[Any, ...]] = []
+        self._streams: dict[str, _Stream] = {}  # touched by the worker only (after the add command)
+        self._num_pending_adds = 0
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams) + self._num_pending_adds
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled: queued in the scheduler or still in the command queue."""
+        return self.stats.num_waiting + self._num_pending_adds
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `timeout` s, abort the rest, stop."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._cond:
+            # The worker aborts whatever is left once it sees this; then it exits.
+            self._commands.append(("shutdown",))
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+                          request_id: str | None = None) -> tuple[str, asyncio.Queue]:
+        """Queue a request; raises ValueError (from the engine's validation) for bad input."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("server is shutting down")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future = loop.create_future()
+        stream = _Stream(loop)
+        with self._cond:
+            self._num_pending_adds += 1
+            self._commands.append(("add", prompt, params, rid, stream, accepted))
+            self._cond.notify_all()
+        try:
+            await accepted  # raises what engine.add_request raised
+        except asyncio.CancelledError:
+            self.abort(rid)  # queued behind the add, so it cannot leak the request
+            raise
+        return rid, stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the worker frees the request's KV blocks before its next step."""
+        with self._cond:
+            self._commands.append(("abort", request_id))
+            self._cond.notify_all()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs as the request progresses; the last has .finished.
+
+        If the consumer stops early (client disconnect, cancellation, aclose) the request is aborted.
+        """
+        rid, queue = await self.add_request(prompt, params, request_id)
+        async for out in self.stream(rid, queue):
+            yield out
+
+    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request queued by add_request (split so callers can validate everything first)."""
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                # Outputs are cumulative: a slow consumer only needs the newest one.
+                while not queue.empty() and item is not _FINISHED and not isinstance(item, BaseException):
+                    nxt = queue.get_nowait()
+                    if nxt is _FINISHED:
+                        queue.put_nowait(nxt)
+                        break
+                    item = nxt
+                if item is _FINISHED:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # ---- the worker ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._publish_stats()  # gauges show the idle engine (free blocks) before the first request
+            while True:
+                with self._cond:
+                    while (not self._commands and not self.engine.has_unfinished_requests()
+                           and not self._stopping):
+                        self._cond.wait(self._idle_poll_s)
+                    commands, self._commands = self._commands, []
+                if self._handle_commands(commands):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                elif self._stopping and not self._commands:
+                    # Draining with nothing left: keep sleeping until shutdown() sends "shutdown".
+                    with self._cond:
+                        if not self._commands:
+                            self._cond.wait(0.05)
+        except BaseException as e:  # the worker itself broke: fail everything, refuse new work
+            logger.exception("engine worker died")
+            self._dead = e
+            self._fail_all(e)
+            with self._cond:
+                for cmd in self._commands:
+                    if cmd[0] == "add":
+                        self._reject(cmd, EngineDeadError(f"engine is dead: {e}"))
+                self._commands = []
+
+    def _handle_commands(self, commands: list[tuple[Any, ...]]) -> bool:
+        """Apply queued commands; True means shut down now."""
+        for cmd in commands:
+            kind = cmd[0]
+            if kind == "add":
+                _, prompt, params, rid, stream, accepted = cmd
+                try:
+                    req = self.engine.add_request(prompt, params, rid)
+                except Exception as e:  # ValueError for bad input: the caller gets it
+                    self._reject(cmd, e)
+                    continue
+                self._streams[rid] = stream
+                with self._cond:
+                    self._num_pending_adds -= 1
+                self._hook("on_prompt", len(req.prompt_token_ids))
+                stream.loop.call_soon_threadsafe(_resolve, accepted, None)
+            elif kind == "abort":
+                rid = cmd[1]
+                stream = self._streams.pop(rid, None)
+                self.engine.abort_request(rid)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _FINISHED)
+            elif kind == "shutdown":
+                for rid in list(self._streams):
+                    self.engine.abort_request(rid)
+                self._fail_all(EngineDeadError("server shut down before the request finished"))
+                self._publish_stats()
+                return True
+        if commands:
+            self._publish_stats()
+        return False
+
+    def _reject(self, cmd: tuple[Any, ...], error: BaseException) -> None:
+        stream, accepted = cmd[4], cmd[5]
+        with self._cond:
+            self._num_pending_adds -= 1
+        stream.loop.call_soon_threadsafe(_reject, accepted, error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # A bug or a bad state in one step must not take the server down: fail the requests that
+            # were in flight (their KV is released by abort) and keep serving new ones.
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
+            for rid in list(self._streams):
+                with contextlib.suppress(Exception):
+                    self.engine.abort_request(rid)
+            self._fail_all(e)
+            self._publish_stats()
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        generated = 0
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            num = sum(len(c.token_ids) for c in out.outputs)
+            generated += num - stream.num_tokens
+            stream.num_tokens = num
+            items = by_loop.setdefault(stream.loop, [])
+            items.append((stream.queue, out))
+            if out.finished:
+                del self._streams[out.request_id]
+                items.append((stream.queue, _FINISHED))
+                self._hook("on_finished", out)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+        if generated:
+            self._hook("on_generated", generated)
+        self._publish_stats()
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+    def _publish_stats(self) -> None:
+        eng = self.engine
+        sched = eng.scheduler
+        pool = eng.kv.pool
+        self.stats = EngineStats(
+            num_running=len({s.request.request_id for s in sched.running}),
+            num_waiting=len(sched.waiting),
+            kv_cache_usage=float(pool.usage()),
+            num_free_blocks=int(pool.num_free),
+            num_preemptions=int(getattr(sched, "num_preemptions", 0)),
+        )
+        self._hook("on_step", self.stats)
+
+    def _hook(self, name: str, *args: Any) -> None:
+        # A metrics bug must never kill the worker thread.
+        if self.metrics is None:
+            return
+        try:
+            getattr(self.metrics, name)(*args)
+        except Exception:
+            logger.exception("metrics hook %s failed", name)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _resolve(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

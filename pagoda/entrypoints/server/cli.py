@@ -1,0 +1,67 @@
+"""`pagoda serve [MODEL]`: load the engine, then run the OpenAI-compatible app under uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pagoda.entrypoints.cli import add_engine_args
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGODA_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first one is reported (default: the model path)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="answer 503 + Retry-After when more requests than this wait for the engine")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagoda.config import EngineConfig
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.engine.engine import LLMEngine
+    from pagoda.entrypoints.cli import engine_kwargs
+    from pagoda.entrypoints.server.app import ServerSettings, create_app
+    from pagoda.entrypoints.server.metrics import ServerMetrics
+
+    logging.getLogger("pagoda").setLevel(args.log_level.upper())
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError("--max-waiting-requests must be at least 1")
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    names = args.served_model_name or [args.model.rstrip("/") if args.model else DEFAULT_MODEL_NAME]
+    metrics = ServerMetrics(names[0])
+    settings = ServerSettings(
+        served_model_names=names,
+        api_key=args.api_key or os.environ.get("PAGODA_API_KEY") or None,
+        max_waiting_requests=args.max_waiting_requests,
+        drain_timeout=args.drain_timeout,
+        model_root=args.model or DEFAULT_MODEL_NAME,
+    )
+    app = create_app(AsyncEngine(engine, metrics), settings, metrics)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=int(max(1, args.drain_timeout)))
+    server = uvicorn.Server(config)
+    # uvicorn catches SIGINT/SIGTERM, shuts down gracefully (stop accepting, wait for in-flight requests,
+    # then our lifespan drains the engine) and finally re-raises the signal to the handler that was
+    # installed before it started. Installing no-op handlers here turns that re-raise into exit code 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    print(f"pagoda: serving {names[0]} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,122 @@
+"""Prometheus metrics under vLLM's names with a `pagoda:` prefix, so vLLM dashboards map over.
+
+A dedicated CollectorRegistry keeps them apart from the process-global default registry (tests and
+embedders can build several apps in one process without duplicate-metric errors).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagoda.engine.async_engine import EngineStats
+from pagoda.outputs import RequestOutput
+
+# Buckets as vLLM uses them (seconds), trimmed to what a CPU engine sees.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0]
+_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Implements AsyncEngine's metrics hook; every method is thread-safe (prometheus_client locks)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels + (extra or []), registry=r)
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.num_requests_running = gauge("pagoda:num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("pagoda:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge("pagoda:kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (0-1)")
+        self.num_free_blocks = gauge("pagoda:num_free_kv_blocks", "Free KV cache blocks")
+        # Counters are declared without _total; prometheus_client appends it on exposition.
+        self.prompt_tokens = counter("pagoda:prompt_tokens", "Prompt tokens accepted")
+        self.generation_tokens = counter("pagoda:generation_tokens", "Tokens generated")
+        self.num_preemptions = counter("pagoda:num_preemptions", "Sequences preempted (KV dropped, recomputed)")
+        self.request_success = counter("pagoda:request_success", "Finished requests by finish reason",
+                                       ["finished_reason"])
+        self.ttft = hist("pagoda:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.tpot = hist("pagoda:time_per_output_token_seconds", "Mean time per output token after the first",
+                         _TPOT_BUCKETS)
+        self.e2e = hist("pagoda:e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.queue_time = hist("pagoda:request_queue_time_seconds", "Time from arrival to first schedule",
+                               _LATENCY_BUCKETS)
+        self.prefill_time = hist("pagoda:request_prefill_time_seconds", "Time from first schedule to first token",
+                                 _LATENCY_BUCKETS)
+        self.decode_time = hist("pagoda:request_decode_time_seconds", "Time from first token to the last",
+                                _LATENCY_BUCKETS)
+        self.request_prompt_tokens = hist("pagoda:request_prompt_tokens", "Prompt tokens per request",
+                                          _TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("pagoda:request_generation_tokens", "Generated tokens per request",
+                                              _TOKEN_BUCKETS)
+        self._label = model_name
+        self._last_preemptions = 0
+        # Touch every unlabelled-by-reason series so a fresh server already exposes them at 0.
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
+                       self.num_free_blocks, self.prompt_tokens, self.generation_tokens, self.num_preemptions,
+                       self.ttft, self.tpot, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
+                       self.request_prompt_tokens, self.request_generation_tokens):
+            metric.labels(model_name)
+
+    # ---- AsyncEngine hook ------------------------------------------------------------------------
+    def on_step(self, stats: EngineStats) -> None:
+        m = self._label
+        self.num_requests_running.labels(m).set(stats.num_running)
+        self.num_requests_waiting.labels(m).set(stats.num_waiting)
+        self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
+        self.num_free_blocks.labels(m).set(stats.num_free_blocks)
+        # The scheduler keeps a running total; the counter wants increments.
+        delta = stats.num_preemptions - self._last_preemptions
+        if delta > 0:
+            self.num_preemptions.labels(m).inc(delta)
+        self._last_preemptions = max(self._last_preemptions, stats.num_preemptions)
+
+    def on_prompt(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self._label).inc(num_prompt_tokens)
+
+    def on_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.labels(self._label).inc(num_tokens)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        m = self._label
+        reasons = {c.finish_reason for c in out.outputs if c.finish_reason}
+        for reason in reasons or {"unknown"}:
+            self.request_success.labels(m, reason).inc()
+        num_out = max((len(c.token_ids) for c in out.outputs), default=0)
+        self.request_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.labels(m).observe(sum(len(c.token_ids) for c in out.outputs))
+        t = out.metrics
+        if t is None:
+            return
+        if t.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+        if t.first_token_time is not None:
+            self.ttft.labels(m).observe(max(0.0, t.first_token_time - t.arrival_time))
+            if t.first_scheduled_time is not None:
+                self.prefill_time.labels(m).observe(max(0.0, t.first_token_time - t.first_scheduled_time))
+        end = t.finished_time or t.last_token_time
+        if end is not None:
+            self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
+            if t.first_token_time is not None:
+                decode = max(0.0, end - t.first_token_time)
+                self.decode_time.labels(m).observe(decode)
+                if num_out > 1:
+                    self.tpot.labels(m).observe(decode / (num_out - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,83 @@
+"""Fixtures for end-to-end server tests: a real `pagoda serve` subprocess on a free loopback port."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_NAME = "SmolLM2-135M-Instruct"
+STARTUP_TIMEOUT_S = float(os.environ.get("PAGODA_TEST_SERVER_TIMEOUT", "240"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m pagoda.entrypoints.cli serve ...` with its output in a temp log (shown on failure)."""
+
+    def __init__(self, *extra_args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                    **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server_process() -> Iterator[ServerProcess]:
+    """Started, not yet awaited: the reference model loads in-process meanwhile."""
+    srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "512", "--max-num-seqs", "32")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        os.unlink(srv.log.name)
+
+
+@pytest.fixture(scope="module")
+def server(server_process: ServerProcess, reference: dict) -> ServerProcess:
+    server_process.wait_ready()
+    return server_process
