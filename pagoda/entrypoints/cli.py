@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plugin(sub: Any, name: str, module: str, help_text: str) -> None:
     try:
         mod = importlib.import_module(module)
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != module:  # a real import error inside the module must surface
+            raise
         return
     p = sub.add_parser(name, help=help_text)
     mod.add_arguments(p)
