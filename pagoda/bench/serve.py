@@ -1,0 +1,497 @@
+"""`pagoda bench serve`: a load generator for any OpenAI-compatible server (ours, llama.cpp's, vLLM's).
+
+It replays the seeded synthetic workload of `pagoda bench throughput` as streaming completions, with
+Poisson (or all-at-once) arrivals and an optional cap on requests in flight, and measures each request
+from the client's side:
+
+- TTFT: request sent to the first chunk that carries output;
+- ITL: the gap between consecutive output chunks;
+- TPOT: (e2e - TTFT) / (output tokens - 1), the mean decode time per token of one request;
+- e2e: request sent to the end of the stream.
+
+Nothing here is specific to one server: plain HTTP, Server-Sent Events and the OpenAI response shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagoda.bench.datasets import BenchRequest, add_dataset_args, requests_from_args, seed_from_args
+
+# The latency metrics reported, as (key, label); values are kept in seconds and reported in ms.
+LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
+STATS = ("mean", "median", "p99")
+
+
+@dataclass
+class RequestResult:
+    """What the client saw of one request; times in seconds."""
+    prompt_len: int                 # tokens (the server's usage count when it reports one)
+    requested_output_len: int
+    success: bool = False
+    output_tokens: int = 0          # usage.completion_tokens if reported, else output chunks counted
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0            # e2e: sent to end of stream
+    start: float = 0.0              # sent, relative to the benchmark start
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+# ---- metric math ----------------------------------------------------------------------------------
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """mean / median / p99 (linear interpolation, as numpy and vLLM do); zeros for an empty list."""
+    if len(values) == 0:
+        return {s: 0.0 for s in STATS}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:
+    """Throughput and latency statistics over the successful requests; latencies in milliseconds."""
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    per = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [t for r in ok if (t := r.tpot) is not None],
+        "itl": [g for r in ok for g in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+    m: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        # A server that ignores ignore_eos stops early; flag it since it lowers the work done.
+        "output_len_mismatches": sum(1 for r in ok if r.output_tokens != r.requested_output_len),
+        "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput": output_tokens / duration_s if duration_s > 0 else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s if duration_s > 0 else 0.0,
+    }
+    for key, _ in LATENCY_METRICS:
+        for stat, v in summarize(per[key]).items():
+            m[f"{stat}_{key}_ms"] = 1000.0 * v
+    return m
+
+
+def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times in seconds from the start: gamma-distributed gaps with mean 1/rate (burstiness 1 =
+    Poisson arrivals); all zero for an infinite rate."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n)
+    gaps[0] = 0.0  # the first request goes at once, so the run does not start with idle time
+    return np.cumsum(gaps).tolist()
+
+
+# ---- the client ------------------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    """Where and how to send requests."""
+    url: str                 # base URL + endpoint
+    model: str
+    chat: bool               # /chat/completions shape (messages, delta.content) instead of /completions
+    headers: dict[str, str]
+    timeout_s: float
+
+
+def _payload(target: Target, prompt: str | list[int], output_len: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": target.model,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # vLLM's extra (pagoda's too): generate exactly max_tokens; servers that do not know it ignore it.
+        "ignore_eos": True,
+    }
+    if target.chat:
+        if not isinstance(prompt, str):
+            raise ValueError("a chat endpoint takes text prompts: use --prompt-format text")
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def _chunk_has_output(target: Target, choice: dict[str, Any]) -> bool:
+    if target.chat:
+        delta = choice.get("delta") or {}
+        # The role-only first delta is no output yet; reasoning models stream reasoning_content first.
+        return bool(delta.get("content") or delta.get("reasoning_content"))
+    return True  # a completions choice chunk stands for at least one generated token
+
+
+async def send_request(client: Any, target: Target, prompt: str | list[int], req: BenchRequest,
+                       t_origin: float) -> RequestResult:
+    """One streaming request; never raises (failures become success=False with the error text)."""
+    res = RequestResult(prompt_len=len(req.prompt_token_ids), requested_output_len=req.output_len)
+    t0 = time.perf_counter()
+    res.start = t0 - t_origin
+    chunks = 0
+    usage_out: int | None = None
+    last = t0
+
+    async def run() -> None:
+        nonlocal chunks, usage_out, last
+        async with client.stream("POST", target.url, json=_payload(target, prompt, req.output_len),
+                                 headers=target.headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                raise RuntimeError(f"HTTP {resp.status_code}: {body[:300]}")
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue  # blank separators, SSE comments, event:/id: fields
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                obj = json.loads(data)
+                if obj.get("error"):
+                    raise RuntimeError(f"error in stream: {json.dumps(obj['error'])[:300]}")
+                choices = obj.get("choices")
+                if choices and _chunk_has_output(target, choices[0]):
+                    if chunks == 0:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                usage = obj.get("usage")
+                if usage:
+                    usage_out = usage.get("completion_tokens", usage_out)
+                    if usage.get("prompt_tokens"):
+                        res.prompt_len = int(usage["prompt_tokens"])
+
+    try:
+        await asyncio.wait_for(run(), timeout=target.timeout_s)
+        res.latency = time.perf_counter() - t0
+        res.output_tokens = int(usage_out) if usage_out is not None else chunks
+        if chunks == 0:
+            raise RuntimeError("the stream ended without output")
+        res.success = True
+    except asyncio.TimeoutError:
+        res.error = f"timed out after {target.timeout_s:g} s"
+    except Exception as e:  # noqa: BLE001 - any failure of one request is counted, not fatal
+        res.error = f"{type(e).__name__}: {e}"[:500] or type(e).__name__
+    return res
+
+
+async def run_benchmark(target: Target, requests: Sequence[BenchRequest], prompts: Sequence[str | list[int]],
+                        request_rate: float, max_concurrency: int | None, burstiness: float = 1.0,
+                        seed: int = 0, num_warmups: int = 0,
+                        progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Send every request on its arrival schedule; returns the results (in request order) and the
+    wall time from the first send to the last response."""
+    import httpx
+
+    n_conn = max_concurrency or len(requests)
+    # A pool smaller than the requests in flight would queue them inside httpx, hidden from the timings.
+    limits = httpx.Limits(max_connections=n_conn + 1, max_keepalive_connections=n_conn + 1)
+    timeout = httpx.Timeout(target.timeout_s, connect=min(30.0, target.timeout_s))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        for i in range(num_warmups):
+            w = await send_request(client, target, prompts[i % len(prompts)],
+                                   BenchRequest(requests[i % len(requests)].prompt_token_ids, 4), time.perf_counter())
+            if not w.success:
+                _note(f"warm-up request failed: {w.error}")
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+        done = 0
+
+        async def one(i: int) -> RequestResult:
+            nonlocal done
+            if sem is None:
+                r = await send_request(client, target, prompts[i], requests[i], t_origin)
+            else:
+                async with sem:
+                    r = await send_request(client, target, prompts[i], requests[i], t_origin)
+            done += 1
+            if progress and (done == len(requests) or done % max(1, len(requests) // 10) == 0):
+                _note(f"  {done}/{len(requests)} requests done")
+            return r
+
+        t_origin = time.perf_counter()
+        tasks = []
+        for i, off in enumerate(offsets):
+            delay = t_origin + off - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_origin
+    return list(results), duration
+
+
+async def discover_model(base_url: str, headers: dict[str, str], timeout_s: float) -> str:
+    """The first model id the server lists at GET /v1/models."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=min(timeout_s, 30.0), trust_env=False) as client:
+        r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+        r.raise_for_status()
+        data = r.json().get("data") or []
+    if not data:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    return str(data[0]["id"])
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   help="path of the API; /v1/chat/completions sends the prompt as one user message")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF folder or .gguf whose tokenizer builds the workload (default: the embedded model)")
+    p.add_argument("--prompt-format", choices=["text", "ids"], default="text",
+                   help="send prompts as decoded text (any server) or as token id lists (servers that take them)")
+    add_dataset_args(p)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="mean requests per second with Poisson arrivals; inf sends all at once")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier, >1 more even")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--num-warmups", type=int, default=0, help="short untimed requests sent first")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request limit in seconds")
+    p.add_argument("--label", default=None, help="name of this run in the JSON and in --plot-from legends")
+    p.add_argument("--save-result", default=None, metavar="PATH", help="write config, metrics and per-request data")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="draw latency CDFs and timelines (matplotlib)")
+    p.add_argument("--plot-from", nargs="+", default=None, metavar="RESULT.json",
+                   help="no benchmark: draw throughput against latency from saved results into --plot")
+
+
+def _note(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _build_prompts(args: argparse.Namespace, requests: Sequence[BenchRequest], tokenizer: Any) -> list[str | list[int]]:
+    if args.prompt_format == "ids":
+        return [list(r.prompt_token_ids) for r in requests]
+    # The server re-tokenizes the text; its own count (usage.prompt_tokens) replaces ours when it reports one.
+    return [tokenizer.decode(list(r.prompt_token_ids), skip_special_tokens=False) for r in requests]
+
+
+def build_report(args: argparse.Namespace, model: str, results: Sequence[RequestResult],
+                 duration_s: float) -> dict[str, Any]:
+    """The JSON document: config, metrics, per-request arrays."""
+    rate = args.request_rate
+    errors = [r.error for r in results if not r.success]
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "label": args.label,
+        "config": {
+            "base_url": args.base_url, "endpoint": args.endpoint, "model": model,
+            "prompt_format": args.prompt_format, "tokenizer": args.tokenizer,
+            # JSON has no infinity; "inf" keeps the file standard.
+            "request_rate": "inf" if math.isinf(rate) else rate, "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency, "num_prompts": args.num_prompts,
+            "input_len_range": list(args.input_len_range), "output_len_range": list(args.output_len_range),
+            "seed": seed_from_args(args), "timeout_s": args.timeout,
+            "loadavg_1m": os.getloadavg()[0],
+        },
+        "metrics": compute_metrics(results, duration_s),
+        "errors": errors[:20],
+        "requests": {
+            "start_s": [r.start for r in results],
+            "success": [r.success for r in results],
+            "input_lens": [r.prompt_len for r in results],
+            "requested_output_lens": [r.requested_output_len for r in results],
+            "output_lens": [r.output_tokens for r in results],
+            "ttfts_s": [r.ttft for r in results],
+            "tpots_s": [r.tpot for r in results],
+            "e2els_s": [r.latency for r in results],
+            "itls_s": [r.itl for r in results],
+            "errors": [r.error for r in results],
+        },
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable summary, in the layout of vLLM's bench serve."""
+    c, m = report["config"], report["metrics"]
+    w = 50
+    rows = [
+        "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="),
+        f"{'Server:':<32}{c['base_url'] + c['endpoint']:>18}",
+        f"{'Model:':<32}{c['model'][-18:]:>18}",
+        f"{'Request rate / max concurrency:':<32}{str(c['request_rate']) + ' / ' + str(c['max_concurrency']):>18}",
+        f"{'Successful requests:':<40}{m['completed']:>10}",
+        f"{'Failed requests:':<40}{m['failed']:>10}",
+        f"{'Benchmark duration (s):':<40}{m['duration_s']:>10.2f}",
+        f"{'Total input tokens:':<40}{m['total_input_tokens']:>10}",
+        f"{'Total generated tokens:':<40}{m['total_output_tokens']:>10}",
+        f"{'Request throughput (req/s):':<40}{m['request_throughput']:>10.2f}",
+        f"{'Output token throughput (tok/s):':<40}{m['output_throughput']:>10.2f}",
+        f"{'Total token throughput (tok/s):':<40}{m['total_token_throughput']:>10.2f}",
+    ]
+    if m["output_len_mismatches"]:
+        rows.append(f"{'Outputs of another length than asked:':<40}{m['output_len_mismatches']:>10}")
+    for key, label in LATENCY_METRICS:
+        rows.append("{s:{c}^{n}}".format(s=f" {label} ", n=w, c="-"))
+        for stat in STATS:
+            name = {"mean": "Mean", "median": "Median", "p99": "P99"}[stat]
+            rows.append(f"{name + ' ' + label + ' (ms):':<40}{m[f'{stat}_{key}_ms']:>10.2f}")
+    rows.append("=" * w)
+    return "\n".join(rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot_from:
+        if not args.plot:
+            raise ValueError("--plot-from needs --plot PATH.png")
+        reports = [json.loads(open(p, encoding="utf-8").read()) for p in args.plot_from]
+        plot_sweep(reports, args.plot, [p for p in args.plot_from])
+        _note(f"wrote {args.plot}")
+        return 0
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    if args.timeout <= 0:
+        raise ValueError("--timeout must be positive")
+    arrival_offsets(1, args.request_rate, args.burstiness)  # validates rate and burstiness early
+
+    from pagoda.model.default_model import default_model_path
+    from pagoda.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer or default_model_path())
+    requests = requests_from_args(args, tokenizer)
+    prompts = _build_prompts(args, requests, tokenizer)
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    model = args.model or asyncio.run(discover_model(args.base_url, headers, args.timeout))
+    endpoint = args.endpoint if args.endpoint.startswith("/") else "/" + args.endpoint
+    target = Target(url=args.base_url.rstrip("/") + endpoint, model=model,
+                    chat=endpoint.rstrip("/").endswith("chat/completions"), headers=headers, timeout_s=args.timeout)
+    _note(f"bench serve: {len(requests)} requests to {target.url} (model {model}), request rate "
+          f"{args.request_rate:g}, max concurrency {args.max_concurrency}")
+    results, duration = asyncio.run(run_benchmark(
+        target, requests, prompts, args.request_rate, args.max_concurrency, args.burstiness,
+        seed_from_args(args), args.num_warmups))
+    report = build_report(args, model, results, duration)
+    print(format_table(report))
+    if report["errors"]:
+        _note(f"{report['metrics']['failed']} requests failed; first error: {report['errors'][0]}")
+    if args.save_result:
+        with open(args.save_result, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        _note(f"wrote {args.save_result}")
+    if args.plot:
+        plot_run(report, args.plot)
+        _note(f"wrote {args.plot}")
+    # Every request failing means the target did not serve; a partial failure is a result, reported above.
+    return 1 if report["metrics"]["completed"] == 0 else 0
+
+
+# ---- plots -----------------------------------------------------------------------------------------
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install -e .[bench]") from e
+    matplotlib.use("Agg")  # files only: no display on a server
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _cdf(ax: Any, values_ms: Sequence[float], label: str) -> None:
+    if not values_ms:
+        return
+    xs = np.sort(np.asarray(values_ms))
+    ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=label)
+
+
+def plot_run(report: dict[str, Any], path: str) -> None:
+    """One run: latency CDFs, and TTFT / TPOT of each request against when it was sent."""
+    plt = _pyplot()
+    r = report["requests"]
+    ok = [i for i, s in enumerate(r["success"]) if s]
+    ms = lambda key: [1000.0 * r[key][i] for i in ok if r[key][i] is not None]  # noqa: E731
+    itl = [1000.0 * g for i in ok for g in r["itls_s"][i]]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    ax = axes[0][0]
+    _cdf(ax, ms("ttfts_s"), "TTFT")
+    _cdf(ax, ms("e2els_s"), "E2E latency")
+    ax.set(xlabel="ms", ylabel="fraction of requests", title="TTFT and end-to-end latency CDF")
+    ax = axes[0][1]
+    _cdf(ax, ms("tpots_s"), "TPOT (per request)")
+    _cdf(ax, itl, "ITL (per chunk)")
+    ax.set(xlabel="ms", ylabel="fraction", title="TPOT and ITL CDF")
+    starts = [r["start_s"][i] for i in ok]
+    ax = axes[1][0]
+    ax.scatter(starts, ms("ttfts_s"), s=10)
+    ax.set(xlabel="request sent at (s)", ylabel="TTFT (ms)", title="TTFT per request")
+    ax = axes[1][1]
+    tp = [(r["start_s"][i], 1000.0 * r["tpots_s"][i]) for i in ok if r["tpots_s"][i] is not None]
+    if tp:
+        ax.scatter(*zip(*tp), s=10, color="tab:orange")
+    ax.set(xlabel="request sent at (s)", ylabel="TPOT (ms)", title="TPOT per request")
+    for a in axes[0]:
+        if a.get_legend_handles_labels()[0]:  # empty when every request failed
+            a.legend(loc="lower right")
+        a.grid(alpha=0.3)
+    for a in axes[1]:
+        a.grid(alpha=0.3)
+    c, m = report["config"], report["metrics"]
+    fig.suptitle(f"{c['model']} @ {c['base_url']}: rate {c['request_rate']}, concurrency {c['max_concurrency']}, "
+                 f"{m['completed']} ok / {m['failed']} failed, {m['output_throughput']:.1f} output tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_sweep(reports: Sequence[dict[str, Any]], path: str, names: Sequence[str]) -> None:
+    """Several runs: median and p99 TTFT and TPOT against output throughput, one point per run, one line
+    per server (runs grouped by base URL + model, in the order given)."""
+    plt = _pyplot()
+    groups: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    for rep, name in zip(reports, names):
+        c = rep["config"]
+        groups.setdefault(f"{c['model']} @ {c['base_url']}", []).append((rep, rep.get("label") or name))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for ax, key, title in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
+        for group, runs in groups.items():
+            runs = sorted(runs, key=lambda x: x[0]["metrics"]["output_throughput"])
+            xs = [rep["metrics"]["output_throughput"] for rep, _ in runs]
+            line, = ax.plot(xs, [rep["metrics"][f"median_{key}_ms"] for rep, _ in runs], marker="o",
+                            label=f"{group} median")
+            ax.plot(xs, [rep["metrics"][f"p99_{key}_ms"] for rep, _ in runs], marker="x", linestyle="--",
+                    color=line.get_color(), label=f"{group} p99")
+            for (rep, label), x in zip(runs, xs):
+                c = rep["config"]
+                tag = label if rep.get("label") else f"c={c['max_concurrency']}, r={c['request_rate']}"
+                ax.annotate(tag, (x, rep["metrics"][f"median_{key}_ms"]), fontsize=7,
+                            textcoords="offset points", xytext=(4, 4))
+        ax.set(xlabel="output tokens/s", ylabel=f"{title} (ms)", title=f"{title} against throughput")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,219 @@
+"""`pagoda bench throughput`: offline throughput on a seeded chat-like workload, next to the machine's
+roofline and (with --compare hf) HF transformers on the same model and workload in the same run."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagoda.bench.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    requests_from_args,
+    seed_from_args,
+    synthetic_chat_requests,
+)
+from pagoda.bench.roofline import Roofline, decode_weight_bytes, efficiency, measure_roofline, workload_flops
+from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.llm import LLM
+
+BATCH1_PROMPT_LEN = 32
+BATCH1_OUTPUT_LEN = 128
+
+
+@dataclass
+class ThroughputResult:
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "requests_s": self.requests_s, "output_tok_s": self.output_tok_s,
+                "total_tok_s": self.total_tok_s}
+
+
+@dataclass
+class Batch1Result:
+    prompt_len: int
+    output_tokens: int
+    ttft_s: float            # add_request to the first output token (prefill)
+    decode_s: float          # first output token to the last
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.output_tokens - 1) / self.decode_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "decode_tok_s": self.decode_tok_s}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    add_engine_args(p)
+    add_dataset_args(p)
+    p.add_argument("--compare", choices=["hf"], default=None,
+                   help="also run this peer on the same model and workload and print our ratio")
+    p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine's matmul rate and bandwidth")
+    p.add_argument("--batch1-decode", action="store_true",
+                   help=f"also measure batch-1 decode ({BATCH1_PROMPT_LEN}-token prompt, {BATCH1_OUTPUT_LEN} tokens)")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON here")
+
+
+def _params(output_len: int) -> SamplingParams:
+    # ignore_eos: every engine then produces exactly the tokens asked for.
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def run_engine(llm: LLM, requests: Sequence[BenchRequest]) -> ThroughputResult:
+    """Time one llm.generate over all requests, after a short warm-up generate."""
+    llm.generate([requests[0].prompt_token_ids[:16]], _params(4), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in requests], [_params(r.output_len) for r in requests],
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    produced = [len(o.outputs[0].token_ids) for o in outs]
+    short = [(i, n, r.output_len) for i, (n, r) in enumerate(zip(produced, requests)) if n != r.output_len]
+    if short:
+        raise RuntimeError(f"engine produced other lengths than asked (index, got, asked): {short[:5]}")
+    return ThroughputResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests), sum(produced))
+
+
+def run_batch1_decode(llm: LLM, prompt: list[int], output_len: int) -> Batch1Result:
+    """Drive the step loop for one request, timing prefill and decode apart."""
+    engine = llm.engine
+    t0 = time.perf_counter()
+    req = engine.add_request(prompt, _params(output_len))
+    t_first = None
+    n = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != req.request_id:
+                continue
+            n = len(out.outputs[0].token_ids)
+            if t_first is None and n > 0:
+                t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    if t_first is None:
+        raise RuntimeError("batch-1 decode produced no tokens")
+    return Batch1Result(len(prompt), n, t_first - t0, t_end - t_first)
+
+
+def _progress(msg: str) -> None:
+    """Phase notes on stderr, so a long run shows where it is without mixing into the report."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    w, ours = report["workload"], report["pagoda"]
+    print(f"== pagoda bench throughput: {report['model']} ({report['dtype']}, {report['threads']} threads, "
+          f"load average {report['loadavg_1m_at_start']:.1f} at start) ==")
+    print(f"workload: {w['num_prompts']} requests, prompts {w['input_len_range'][0]}..{w['input_len_range'][1]} "
+          f"({w['prompt_tokens']} tokens), outputs {w['output_len_range'][0]}..{w['output_len_range'][1]} "
+          f"({w['output_tokens']} tokens), seed {w['seed']}")
+    print(f"pagoda: {ours['elapsed_s']:.2f} s, {ours['requests_s']:.2f} req/s, "
+          f"{ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s")
+    roof = report.get("roofline")
+    if roof:
+        print(f"roofline: matmul {roof['matmul_flops'] / 1e9:.0f} GFLOP/s, read {roof['read_bandwidth'] / 1e9:.1f} GB/s;"
+              f" pagoda achieves {ours['achieved_flops'] / 1e9:.1f} GFLOP/s = "
+              f"{100 * ours['compute_efficiency']:.1f}% of the matmul roofline")
+    b1 = report.get("batch1_decode")
+    if b1:
+        line = (f"batch-1 decode: {b1['decode_tok_s']:.1f} tok/s ({b1['output_tokens']} tokens after a "
+                f"{b1['prompt_len']}-token prompt, TTFT {1000 * b1['ttft_s']:.0f} ms)")
+        if "bandwidth_efficiency" in b1:
+            line += (f", {b1['weight_bytes'] / 1e6:.0f} MB of weights per step = "
+                     f"{100 * b1['bandwidth_efficiency']:.1f}% of the bandwidth roofline")
+        print(line)
+    for name, peer in report.get("peers", {}).items():
+        print(f"{name}: {peer['elapsed_s']:.2f} s, {peer['output_tok_s']:.1f} useful output tok/s "
+              f"({peer['generated_tokens']} generated); pagoda / {name} = {peer['ratio']:.2f}x")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagoda import LLM
+
+    load_at_start = os.getloadavg()[0]
+    llm = LLM(args.model, **engine_kwargs(args))
+    engine = llm.engine
+    dtype: torch.dtype = engine.dtype
+    requests = requests_from_args(args, engine.tokenizer)
+    roofline: Roofline | None = None if args.no_roofline else measure_roofline(dtype)
+    if roofline is not None:
+        _progress(roofline.describe())
+    _progress(f"pagoda: {len(requests)} requests ...")
+
+    ours = run_engine(llm, requests)
+    _progress(f"pagoda: done in {ours.elapsed_s:.1f} s")
+    flops = workload_flops(engine.args, [(len(r.prompt_token_ids), r.output_len) for r in requests])
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "model": engine.files.source,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        # Other processes on the machine skew every figure; the 1-minute load average flags it.
+        "loadavg_1m_at_start": load_at_start,
+        "workload": {"num_prompts": len(requests), "input_len_range": list(args.input_len_range),
+                     "output_len_range": list(args.output_len_range), "seed": seed_from_args(args),
+                     "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
+                     "flops": flops},
+        "pagoda": {**ours.to_dict(), "achieved_flops": flops / ours.elapsed_s},
+    }
+    if roofline is not None:
+        report["roofline"] = roofline.to_dict()
+        report["pagoda"]["compute_efficiency"] = efficiency(flops / ours.elapsed_s, roofline.matmul_flops)
+
+    if args.batch1_decode:
+        prompt = synthetic_chat_requests(engine.tokenizer, 1, (BATCH1_PROMPT_LEN,) * 2, (1, 1),
+                                         seed=seed_from_args(args))[0].prompt_token_ids
+        _progress("pagoda: batch-1 decode ...")
+        b1 = run_batch1_decode(llm, prompt, BATCH1_OUTPUT_LEN)
+        report["batch1_decode"] = b1.to_dict()
+        if roofline is not None:
+            weight_bytes = decode_weight_bytes(engine.args, dtype)
+            report["batch1_decode"].update(
+                weight_bytes=weight_bytes,
+                bandwidth_efficiency=efficiency(weight_bytes * b1.decode_tok_s, roofline.read_bandwidth))
+
+    if args.compare == "hf":
+        from pagoda.bench.hf_peer import run_hf_peer
+
+        model_path = engine.files.source
+        del llm, engine
+        gc.collect()  # free our weights and KV pool before the peer loads its copy
+        _progress(f"hf: {len(requests)} requests in static batches ...")
+        peer = run_hf_peer(model_path, requests, dtype)
+        report["peers"] = {"hf": {**peer.to_dict(), "ratio": ours.output_tok_s / peer.output_tok_s}}
+
+    _print_report(report)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
