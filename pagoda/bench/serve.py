@@ -340,9 +340,11 @@ def format_table(report: dict[str, Any]) -> str:
     w = 50
     rows = [
         "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="),
-        f"{'Server:':<32}{c['base_url'] + c['endpoint']:>18}",
-        f"{'Model:':<32}{c['model'][-18:]:>18}",
-        f"{'Request rate / max concurrency:':<32}{str(c['request_rate']) + ' / ' + str(c['max_concurrency']):>18}",
+        # Long values (URLs, model paths) go on their own lines rather than being cut to the column.
+        f"Server: {c['base_url'] + c['endpoint']}",
+        f"Model: {c['model']}",
+        f"{'Request rate (req/s):':<40}{str(c['request_rate']):>10}",
+        f"{'Max concurrency:':<40}{str(c['max_concurrency']):>10}",
         f"{'Successful requests:':<40}{m['completed']:>10}",
         f"{'Failed requests:':<40}{m['failed']:>10}",
         f"{'Benchmark duration (s):':<40}{m['duration_s']:>10.2f}",

@@ -12,7 +12,7 @@ from pagoda.config import EngineConfig, resolve_dtype
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.request import Request, SeqStatus, Sequence
+from pagoda.engine.request import Request, Sequence
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.sampler import Sampler, SamplingBatch
 from pagoda.model.args import ModelArgs

@@ -11,14 +11,23 @@ import torch.nn.functional as F
 from pagoda.kernels.cpu_extension import kernel_available
 
 
+# The elementwise C++ loops win where op count dominates (decode, a few rows); on large prefill
+# chunks torch's vectorized kernels are faster (measured: silu_and_mul 3.5 ms vs ~0.4 ms at 512x1536 bf16).
+_MAX_ROWS_ELEMENTWISE = 64
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernel_available()
+
+
+def _small(x: torch.Tensor) -> bool:
+    return x.shape[0] <= _MAX_ROWS_ELEMENTWISE
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """weight * normalize(x); with `residual`: residual += x in place, and the sum is normalized."""
-    if _use_kernel(x) and x.dim() == 2:
+    if x.dim() == 2 and _small(x) and _use_kernel(x):
         return torch.ops.pagoda.rms_norm(x, weight, eps, residual)
     if residual is not None:
         residual.add_(x)
@@ -44,7 +53,7 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] = [gate | up] -> silu(gate) * up."""
-    if _use_kernel(x) and x.stride(-1) == 1:
+    if x.stride(-1) == 1 and _small(x) and _use_kernel(x):
         return torch.ops.pagoda.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

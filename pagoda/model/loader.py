@@ -7,8 +7,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
