@@ -1,5 +1,8 @@
 """`pagoda bench throughput`: offline throughput on a seeded chat-like workload, next to the machine's
-roofline and (with --compare hf) HF transformers on the same model and workload in the same run."""
+roofline and (with --compare hf vllm) its peers on the same model and workload in the same run.
+
+Peers: `hf` (HF transformers `generate`, in this venv) and `vllm` (vLLM's CPU build, in its own venv
+outside the repository, run as a subprocess on an HF safetensors copy of the model: see vllm_peer.py)."""
 from __future__ import annotations
 
 import argparse
@@ -77,8 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     add_engine_args(p)
     add_dataset_args(p)
-    p.add_argument("--compare", choices=["hf"], default=None,
-                   help="also run this peer on the same model and workload and print our ratio")
+    p.add_argument("--compare", nargs="+", choices=["hf", "vllm"], default=[],
+                   help="also run these peers, after pagoda, on the same model and workload and print our ratio")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python of the venv with vLLM's CPU build, for --compare vllm (default: $PAGODA_VLLM_PYTHON "
+                        "or /work/peers/vllm/bin/python)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine's matmul rate and bandwidth")
     p.add_argument("--batch1-decode", action="store_true",
                    help=f"also measure batch-1 decode ({BATCH1_PROMPT_LEN}-token prompt, {BATCH1_OUTPUT_LEN} tokens)")
@@ -152,14 +158,29 @@ def _print_report(report: dict[str, Any]) -> None:
                      f"{100 * b1['bandwidth_efficiency']:.1f}% of the bandwidth roofline")
         print(line)
     for name, peer in report.get("peers", {}).items():
-        print(f"{name}: {peer['elapsed_s']:.2f} s, {peer['output_tok_s']:.1f} useful output tok/s "
-              f"({peer['generated_tokens']} generated); pagoda / {name} = {peer['ratio']:.2f}x")
+        line = (f"{name}: {peer['elapsed_s']:.2f} s, {peer['output_tok_s']:.1f} useful output tok/s "
+                f"({peer['generated_tokens']} generated); pagoda / {name} = {peer['ratio']:.2f}x")
+        if "compute_efficiency" in peer:
+            line += f"; {name} achieves {100 * peer['compute_efficiency']:.1f}% of the matmul roofline"
+        print(line)
+        pb1 = peer.get("batch1_decode")
+        if pb1:
+            line = (f"{name} batch-1 decode: {pb1['decode_tok_s']:.1f} tok/s (TTFT {1000 * pb1['ttft_s']:.0f} ms)")
+            if "bandwidth_efficiency" in pb1:
+                line += f" = {100 * pb1['bandwidth_efficiency']:.1f}% of the bandwidth roofline"
+            if b1:
+                line += f"; pagoda / {name} = {b1['decode_tok_s'] / pb1['decode_tok_s']:.2f}x"
+            print(line)
 
 
 def main(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
     load_at_start = os.getloadavg()[0]
+    if "vllm" in (args.compare or []):
+        from pagoda.bench.vllm_peer import DEFAULT_VLLM_PYTHON, check_python
+
+        check_python(args.vllm_python or DEFAULT_VLLM_PYTHON)  # fail before minutes of our own run
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.engine
     dtype: torch.dtype = engine.dtype
@@ -190,6 +211,7 @@ def main(args: argparse.Namespace) -> int:
         report["roofline"] = roofline.to_dict()
         report["pagoda"]["compute_efficiency"] = efficiency(flops / ours.elapsed_s, roofline.matmul_flops)
 
+    prompt: list[int] | None = None
     if args.batch1_decode:
         prompt = synthetic_chat_requests(engine.tokenizer, 1, (BATCH1_PROMPT_LEN,) * 2, (1, 1),
                                          seed=seed_from_args(args))[0].prompt_token_ids
@@ -202,15 +224,42 @@ def main(args: argparse.Namespace) -> int:
                 weight_bytes=weight_bytes,
                 bandwidth_efficiency=efficiency(weight_bytes * b1.decode_tok_s, roofline.read_bandwidth))
 
-    if args.compare == "hf":
-        from pagoda.bench.hf_peer import run_hf_peer
-
+    compare = list(dict.fromkeys(args.compare or []))  # in the order given, once each
+    if compare:
         model_path = engine.files.source
+        model_args = engine.args
         del llm, engine
-        gc.collect()  # free our weights and KV pool before the peer loads its copy
-        _progress(f"hf: {len(requests)} requests in static batches ...")
-        peer = run_hf_peer(model_path, requests, dtype)
-        report["peers"] = {"hf": {**peer.to_dict(), "ratio": ours.output_tok_s / peer.output_tok_s}}
+        gc.collect()  # free our weights and KV pool before a peer loads its copy
+        report["peers"] = {}
+    for name in compare:
+        if name == "hf":
+            from pagoda.bench.hf_peer import run_hf_peer
+
+            _progress(f"hf: {len(requests)} requests in static batches ...")
+            peer = run_hf_peer(model_path, requests, dtype).to_dict()
+        else:
+            from pagoda.bench.vllm_peer import DEFAULT_VLLM_PYTHON, check_python, run_vllm_peer
+
+            python = args.vllm_python or DEFAULT_VLLM_PYTHON
+            check_python(python)
+            _progress(f"vllm: {len(requests)} requests through {python} (engine start-up takes minutes) ...")
+            peer = run_vllm_peer(requests, model_path, dtype, python=python,
+                                 batch1=prompt is not None, batch1_prompt=prompt, batch1_output_len=BATCH1_OUTPUT_LEN)
+            _progress(f"vllm: done in {peer['elapsed_s']:.1f} s (start-up {peer.get('startup_s', 0):.0f} s)")
+            if peer.get("useful_output_tokens") != ours.output_tokens:
+                raise RuntimeError(f"vLLM produced {peer.get('useful_output_tokens')} output tokens, "
+                                   f"pagoda {ours.output_tokens}: not the same workload")
+        peer["ratio"] = ours.output_tok_s / peer["output_tok_s"]
+        if roofline is not None:
+            peer["achieved_flops"] = flops / peer["elapsed_s"]
+            peer["compute_efficiency"] = efficiency(flops / peer["elapsed_s"], roofline.matmul_flops)
+            if peer.get("batch1_decode"):
+                weight_bytes = decode_weight_bytes(model_args, dtype)
+                peer["batch1_decode"].update(
+                    weight_bytes=weight_bytes,
+                    bandwidth_efficiency=efficiency(weight_bytes * peer["batch1_decode"]["decode_tok_s"],
+                                                    roofline.read_bandwidth))
+        report["peers"][name] = peer
 
     _print_report(report)
     if args.output_json:

@@ -44,6 +44,7 @@ class ModelRunner:
         model.load_weights(files.iter_weights(dtype))
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        model.prepare()
         self.model = model.eval()
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)
         self.num_blocks = 0

@@ -11,6 +11,7 @@ from torch import nn
 
 from pagoda.kernels.fused_ops import silu_and_mul
 from pagoda.layers.attention import AttentionMetadata, PagedAttention
+from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.args import ModelArgs
@@ -21,9 +22,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
+        self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias and not _is_qwen2(a))
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.attention_bias and not _is_qwen2(a))
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim)
         self.rope = rope
         self.head_dim = a.head_dim
@@ -39,8 +40,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -76,7 +77,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -90,6 +91,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, meta)
         return self.norm(x, residual)
+
+    def prepare(self) -> None:
+        """Called once the weights are loaded (and tied): lets each layer pick its kernels."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
