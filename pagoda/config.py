@@ -52,6 +52,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 @dataclass
 class CacheConfig:
     block_size: int = 16
+    enable_prefix_caching: bool = True
     kv_cache_memory: int | str | None = None  # bytes; None = a share of free RAM
     # Share of available RAM the KV pool takes when kv_cache_memory is not given.
     memory_fraction: float = 0.25
@@ -87,7 +88,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kw: Any) -> "EngineConfig":
         """Build from vLLM-style flat keyword arguments (dtype=, block_size=, ...)."""
-        cache_keys = {"block_size", "kv_cache_memory"}
+        cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
         top_keys = {"tokenizer", "dtype", "device", "seed"}
         unknown = set(kw) - cache_keys - sched_keys - top_keys

@@ -1,24 +1,100 @@
-"""KVCacheManager: each sequence's block table over the shared BlockPool, with copy-on-write forks."""
+"""KVCacheManager: each sequence's block table over the shared BlockPool.
+
+It gives copy-on-write forks for parallel sampling, and prefix caching: every full block gets a
+hash chained from its parent's (SHA-256 over the parent hash and the block's token ids; the root
+covers the model, the KV dtype and the request's cache_salt). A new sequence reuses the longest
+run of cached full blocks and computes only the rest. SHA-256 makes a collision, and so wrong KV,
+practically impossible; no token-id recheck is needed.
+"""
 from __future__ import annotations
 
-from pagoda.core.block_pool import BlockPool
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from pagoda.core.block_pool import BlockHash, BlockPool
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0     # of which found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_namespace: str = "") -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._root = hashlib.sha256(cache_namespace.encode()).digest()
         self.block_tables: dict[int, list[int]] = {}
+        # Hash chain of each sequence's full blocks registered so far.
+        self._hashes: dict[int, list[BlockHash]] = {}
         # (src, dst) block copies the model runner must do before this step's forward.
         self.pending_copies: list[tuple[int, int]] = []
+        self.stats = PrefixCacheStats()
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def _block_hash(self, parent: BlockHash, tokens: list[int]) -> BlockHash:
+        return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+    def _root_for(self, salt: str | None) -> BlockHash:
+        return self._root if not salt else hashlib.sha256(self._root + b"salt:" + salt.encode()).digest()
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def acquire_cached_prefix(self, seq_id: int, token_ids: list[int], salt: str | None) -> int:
+        """Take references on the longest cached prefix of full blocks for a sequence with no KV yet.
+
+        Returns the number of tokens whose KV is reused. At least the last token is left to compute,
+        so the step still produces its logits.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        hashes: list[BlockHash] = []
+        blocks: list[int] = []
+        parent = self._root_for(salt)
+        for i in range((len(token_ids) - 1) // bs):
+            h = self._block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hashes.append(h)
+            blocks.append(b)
+            parent = h
+        self.pool.incref(blocks)
+        self.block_tables[seq_id] = blocks
+        self._hashes[seq_id] = hashes
+        return len(blocks) * bs
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int, salt: str | None) -> None:
+        """Register the sequence's newly completed full blocks (their KV is now written)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes.setdefault(seq_id, [])
+        table = self.block_tables[seq_id]
+        bs = self.block_size
+        parent = hashes[-1] if hashes else self._root_for(salt)
+        for i in range(len(hashes), num_computed // bs):
+            parent = self._block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+            self.pool.register(table[i], parent)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, seq_id: int, num_computed: int, num_new: int) -> bool:
         """Make room to write tokens [num_computed, num_computed + num_new). False if the pool is short.
 
@@ -45,8 +121,11 @@ class KVCacheManager:
         table = self.block_tables[parent_id]
         self.pool.incref(table)
         self.block_tables[child_id] = list(table)
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
 
     def free(self, seq_id: int) -> None:
+        """Drop the sequence's references; its full blocks stay cached until evicted."""
+        self._hashes.pop(seq_id, None)
         table = self.block_tables.pop(seq_id, None)
         if table:
             self.pool.decref(table)

@@ -81,9 +81,17 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
+                num_cached = self._acquire_cached_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                    if num_cached:  # give the cached blocks back; retried next step
+                        self.kv.free(seq.seq_id)
+                        seq.num_computed_tokens = 0
                     break
+                if seq.request.params.prompt_logprobs is None and self.kv.enable_prefix_caching:
+                    self.kv.stats.queries += seq.num_tokens
+                    self.kv.stats.hits += num_cached
+                seq.num_cached_tokens = num_cached
                 self.waiting.popleft()
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
@@ -92,6 +100,13 @@ class Scheduler:
                 budget -= num_new
         out.block_copies = self.kv.take_copies()
         return out
+
+    def _acquire_cached_prefix(self, seq: Sequence) -> int:
+        """Reuse cached KV for a sequence that has none yet (new, or preempted and recomputing)."""
+        if seq.num_computed_tokens or seq.request.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need the logits of every prompt position
+        seq.num_computed_tokens = self.kv.acquire_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+        return seq.num_computed_tokens
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Drop the sequence's KV; it is recomputed (prompt + output so far) when readmitted."""

@@ -49,7 +49,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.files, self.args, self.dtype)
         num_blocks = config.cache.pool_bytes() // self.runner.kv_bytes_per_block()
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size)
+        # The prefix cache's hash root covers what changes the KV: the model file and the KV dtype.
+        namespace = f"{self.files.source}|{self.dtype}"
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, namespace)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
@@ -62,7 +64,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, cache_salt: str | None = None) -> Request:
         """Validate and queue a request. Raises ValueError for anything that can never run."""
         params = params or SamplingParams()
         params.validate()
@@ -90,7 +92,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._req_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, text, ids, params, max_tokens)
+        req = Request(rid, text, ids, params, max_tokens, cache_salt=cache_salt)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))
@@ -119,6 +121,10 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their KV but are no longer shared)."""
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -139,6 +145,7 @@ class LLMEngine:
         self._record_prompt_logprobs(sched, out.prompt_logits)
         for seq, n in zip(sched.seqs, sched.num_scheduled):
             seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
         rows = self._fork_parallel_samples(sched, out.sample_rows)
         touched: dict[str, Request] = {}
         if rows:

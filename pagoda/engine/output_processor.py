@@ -106,4 +106,4 @@ class OutputProcessor:
         if finished and req.metrics is not None and req.metrics.finished_time is None:
             req.metrics.finished_time = time.time()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             req.prompt_logprobs, req.metrics)
+                             req.prompt_logprobs, req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens)

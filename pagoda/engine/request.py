@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0      # prompt tokens served from the prefix cache at last admission
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +74,7 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     aborted: bool = False
+    cache_salt: str | None = None   # isolates this tenant's prefix cache entries
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=time.time())

@@ -19,10 +19,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in bytes or e.g. 2GiB (default: a share of free RAM, at most 4 GiB)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse KV blocks of shared prompt prefixes across requests (default on)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed"]
+    keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
+            "enable_prefix_caching"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -19,7 +19,8 @@ class LLM:
 
     `model` is a Hugging Face folder (config.json + *.safetensors + tokenizer files) or a .gguf file;
     None uses the embedded SmolLM2-135M-Instruct. Keyword arguments take vLLM's names: dtype,
-    max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory, max_model_len, seed.
+    max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory, max_model_len, seed,
+    enable_prefix_caching.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
@@ -44,14 +45,20 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompt_list, params):
-                if isinstance(prompt, dict):
+                salt = None
+                if isinstance(prompt, dict):  # {"prompt" | "prompt_token_ids": ..., "cache_salt": ...}
+                    salt = prompt.get("cache_salt")
                     prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-                ids.append(self.engine.add_request(prompt, p).request_id)
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt).request_id)
         except Exception:
             for rid in ids:  # leave the engine as we found it
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop all cached prefixes (for benchmarks that compare cold and warm runs)."""
+        self.engine.reset_prefix_cache()
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
