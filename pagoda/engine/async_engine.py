@@ -47,6 +47,8 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # running totals, in tokens
+    prefix_cache_hits: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -117,7 +119,7 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          request_id: str | None = None) -> tuple[str, asyncio.Queue]:
+                          request_id: str | None = None, cache_salt: str | None = None) -> tuple[str, asyncio.Queue]:
         """Queue a request; raises ValueError (from the engine's validation) for bad input."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead}")
@@ -129,7 +131,7 @@ class AsyncEngine:
         stream = _Stream(loop)
         with self._cond:
             self._num_pending_adds += 1
-            self._commands.append(("add", prompt, params, rid, stream, accepted))
+            self._commands.append(("add", prompt, params, rid, stream, accepted, cache_salt))
             self._cond.notify_all()
         try:
             await accepted  # raises what engine.add_request raised
@@ -137,6 +139,12 @@ class AsyncEngine:
             self.abort(rid)  # queued behind the add, so it cannot leak the request
             raise
         return rid, stream.queue
+
+    def reset_prefix_cache(self) -> None:
+        """Thread-safe; applied by the worker between steps."""
+        with self._cond:
+            self._commands.append(("reset_prefix_cache",))
+            self._cond.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the worker frees the request's KV blocks before its next step."""
@@ -216,9 +224,9 @@ class AsyncEngine:
         for cmd in commands:
             kind = cmd[0]
             if kind == "add":
-                _, prompt, params, rid, stream, accepted = cmd
+                _, prompt, params, rid, stream, accepted, salt = cmd
                 try:
-                    req = self.engine.add_request(prompt, params, rid)
+                    req = self.engine.add_request(prompt, params, rid, cache_salt=salt)
                 except Exception as e:  # ValueError for bad input: the caller gets it
                     self._reject(cmd, e)
                     continue
@@ -233,6 +241,8 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
                 if stream is not None:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _FINISHED)
+            elif kind == "reset_prefix_cache":
+                self.engine.reset_prefix_cache()
             elif kind == "shutdown":
                 for rid in list(self._streams):
                     self.engine.abort_request(rid)
@@ -299,6 +309,8 @@ class AsyncEngine:
             kv_cache_usage=float(pool.usage()),
             num_free_blocks=int(pool.num_free),
             num_preemptions=int(getattr(sched, "num_preemptions", 0)),
+            prefix_cache_queries=eng.kv.stats.queries,
+            prefix_cache_hits=eng.kv.stats.hits,
         )
         self._hook("on_step", self.stats)
 

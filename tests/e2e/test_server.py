@@ -313,6 +313,24 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
         assert after[f"pagoda:{name}_count"] == before[f"pagoda:{name}_count"] + 1, name
 
 
+def test_prefix_cache_hits_show_on_metrics_and_reset_route_works(server: ServerProcess,
+                                                                  client: openai.OpenAI) -> None:
+    prompt = list(range(1000, 1100))  # 100 token ids: 6 full blocks of 16
+    httpx.post(f"{server.url}/reset_prefix_cache", timeout=30).raise_for_status()
+    before = metrics(server)
+    for _ in range(2):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0)
+    mid = metrics(server)
+    assert mid["pagoda:prefix_cache_queries_total"] - before["pagoda:prefix_cache_queries_total"] == 200
+    assert mid["pagoda:prefix_cache_hits_total"] - before["pagoda:prefix_cache_hits_total"] == 96
+    # Another tenant's salt and a reset cache both miss.
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "other"})
+    assert httpx.post(f"{server.url}/reset_prefix_cache", timeout=30).status_code == 200
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
+    after = metrics(server)
+    assert after["pagoda:prefix_cache_hits_total"] == mid["pagoda:prefix_cache_hits_total"]
+
+
 # Keep last: it stops the module's server.
 def test_sigterm_drains_and_exits_zero(server: ServerProcess) -> None:
     body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
@@ -352,12 +370,13 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.args = SimpleNamespace(vocab_size=256)
         self.scheduler = SimpleNamespace(running=[], waiting=deque(), num_preemptions=0)
-        self.kv = SimpleNamespace(pool=SimpleNamespace(usage=lambda: 0.0, num_free=100))
+        self.kv = SimpleNamespace(pool=SimpleNamespace(usage=lambda: 0.0, num_free=100),
+                                  stats=SimpleNamespace(queries=0, hits=0))
         self.requests: dict[str, dict] = {}
         self.hold = False
         self.fail_next = False
 
-    def add_request(self, prompt: Any, params: Any, request_id: str) -> Any:
+    def add_request(self, prompt: Any, params: Any, request_id: str, cache_salt: str | None = None) -> Any:
         params.validate()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

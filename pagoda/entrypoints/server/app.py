@@ -256,14 +256,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                            headers={"Retry-After": str(settings.retry_after_s)})
 
     async def submit(prompts: list[str | list[int]], params: SamplingParams,
-                     base_id: str) -> list[tuple[str, asyncio.Queue]]:
+                     base_id: str, cache_salt: str | None = None) -> list[tuple[str, asyncio.Queue]]:
         """Queue every prompt, or none: a bad one aborts those already queued and raises a 400."""
         check_capacity(len(prompts))
         queued: list[tuple[str, asyncio.Queue]] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                queued.append(await engine.add_request(prompt, params, rid))
+                queued.append(await engine.add_request(prompt, params, rid, cache_salt=cache_salt))
         except BaseException as e:
             for rid, _ in queued:
                 engine.abort(rid)
@@ -367,7 +367,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         except ValueError as e:
             raise bad_request(e) from e
         base_id = P.random_id("cmpl")
-        queued = await submit(prompts, params, base_id)
+        queued = await submit(prompts, params, base_id, req.cache_salt)
         n = params.n
         prompt_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if req.echo else []
 
@@ -469,7 +469,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             raise bad_request(e) from e
         prompt_ids = chat_prompt(conversation, req.add_generation_prompt)
         base_id = P.random_id("chatcmpl")
-        queued = await submit([prompt_ids], params, base_id)
+        queued = await submit([prompt_ids], params, base_id, req.cache_salt)
         n = params.n
         top_n = req.top_logprobs or 0
 
@@ -569,6 +569,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens must be in [0, {vocab})", "tokens")
         return P.DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

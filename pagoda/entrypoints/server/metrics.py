@@ -48,6 +48,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("pagoda:prompt_tokens", "Prompt tokens accepted")
         self.generation_tokens = counter("pagoda:generation_tokens", "Tokens generated")
         self.num_preemptions = counter("pagoda:num_preemptions", "Sequences preempted (KV dropped, recomputed)")
+        self.prefix_cache_queries = counter("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("pagoda:prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.request_success = counter("pagoda:request_success", "Finished requests by finish reason",
                                        ["finished_reason"])
         self.ttft = hist("pagoda:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
@@ -65,10 +67,11 @@ class ServerMetrics:
         self.request_generation_tokens = hist("pagoda:request_generation_tokens", "Generated tokens per request",
                                               _TOKEN_BUCKETS)
         self._label = model_name
-        self._last_preemptions = 0
+        self._last_totals: dict[str, int] = {}
         # Touch every unlabelled-by-reason series so a fresh server already exposes them at 0.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                        self.num_free_blocks, self.prompt_tokens, self.generation_tokens, self.num_preemptions,
+                       self.prefix_cache_queries, self.prefix_cache_hits,
                        self.ttft, self.tpot, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(model_name)
@@ -80,11 +83,14 @@ class ServerMetrics:
         self.num_requests_waiting.labels(m).set(stats.num_waiting)
         self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
         self.num_free_blocks.labels(m).set(stats.num_free_blocks)
-        # The scheduler keeps a running total; the counter wants increments.
-        delta = stats.num_preemptions - self._last_preemptions
-        if delta > 0:
-            self.num_preemptions.labels(m).inc(delta)
-        self._last_preemptions = max(self._last_preemptions, stats.num_preemptions)
+        # The engine keeps running totals; counters want increments.
+        for name, counter_, total in (("preemptions", self.num_preemptions, stats.num_preemptions),
+                                      ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
+                                      ("hits", self.prefix_cache_hits, stats.prefix_cache_hits)):
+            delta = total - self._last_totals.get(name, 0)
+            if delta > 0:
+                counter_.labels(m).inc(delta)
+                self._last_totals[name] = total
 
     def on_prompt(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self._label).inc(num_prompt_tokens)

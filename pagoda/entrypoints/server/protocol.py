@@ -53,6 +53,7 @@ class _SamplingFields(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None  # keeps this tenant's prefix-cache entries apart
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; raises ValueError naming the bad parameter."""
