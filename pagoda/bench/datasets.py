@@ -65,19 +65,77 @@ def synthetic_chat_requests(tokenizer: Encoder, num_prompts: int = DEFAULT_NUM_P
     out_lo, out_hi = _check_range("output_len_range", output_len_range)
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be at least 1, got {num_prompts}")
-    corpus = tokenizer.encode(load_corpus(corpus_path), add_special_tokens=False)
+    # Repeat the corpus if a prompt could be longer than it, so every offset has a full window.
+    corpus = _long_corpus(tokenizer, in_hi, corpus_path)
     if not corpus:
         raise ValueError(f"benchmark corpus {corpus_path} tokenized to nothing")
-    # Repeat the corpus if a prompt could be longer than it, so every offset has a full window.
-    corpus = corpus * math.ceil((in_hi + len(corpus)) / len(corpus))
     rng = random.Random(seed)
     requests = []
     for _ in range(num_prompts):
         in_len = log_uniform_int(rng, in_lo, in_hi)
         out_len = log_uniform_int(rng, out_lo, out_hi)
-        start = int(rng.random() * (len(corpus) - in_len))
-        requests.append(BenchRequest(corpus[start:start + in_len], out_len))
+        requests.append(BenchRequest(_corpus_window(corpus, rng, in_len), out_len))
     return requests
+
+
+def _corpus_window(corpus: list[int], rng: random.Random, length: int) -> list[int]:
+    start = int(rng.random() * (len(corpus) - length))
+    return corpus[start:start + length]
+
+
+def _long_corpus(tokenizer: Encoder, min_len: int, corpus_path: str | Path) -> list[int]:
+    corpus = tokenizer.encode(load_corpus(corpus_path), add_special_tokens=False)
+    return corpus * math.ceil((min_len + len(corpus)) / len(corpus))
+
+
+def shared_prefix_requests(tokenizer: Encoder, num_prompts: int = 128, num_prefixes: int = 8,
+                           prefix_len: int = 512, question_len: int = 32,
+                           output_len_range: Sequence[int] = (16, 64), seed: int = DEFAULT_SEED,
+                           corpus_path: str | Path = CORPUS_PATH) -> list[BenchRequest]:
+    """RAG/agent-like traffic: each request is one of `num_prefixes` long shared prefixes (system prompts or
+    documents) followed by its own question, in seeded random order."""
+    out_lo, out_hi = _check_range("output_len_range", output_len_range)
+    corpus = _long_corpus(tokenizer, prefix_len + question_len, corpus_path)
+    rng = random.Random(seed)
+    prefixes = [_corpus_window(corpus, rng, prefix_len) for _ in range(num_prefixes)]
+    return [BenchRequest(prefixes[rng.randrange(num_prefixes)] + _corpus_window(corpus, rng, question_len),
+                         log_uniform_int(rng, out_lo, out_hi)) for _ in range(num_prompts)]
+
+
+def multi_turn_requests(tokenizer: Encoder, num_conversations: int = 16, num_turns: int = 6,
+                        system_len: int = 128, user_len: int = 48, assistant_len: int = 96,
+                        output_len: int = 32, seed: int = DEFAULT_SEED,
+                        corpus_path: str | Path = CORPUS_PATH) -> list[BenchRequest]:
+    """A replayed chat log: turn t resends the whole conversation so far (system, then user and recorded
+    assistant messages) plus a new user message. Turns are ordered round-robin across conversations."""
+    corpus = _long_corpus(tokenizer, system_len + user_len + assistant_len, corpus_path)
+    rng = random.Random(seed)
+    histories = [_corpus_window(corpus, rng, system_len) for _ in range(num_conversations)]
+    requests = []
+    for _ in range(num_turns):
+        for c in range(num_conversations):
+            histories[c] = histories[c] + _corpus_window(corpus, rng, user_len)
+            requests.append(BenchRequest(list(histories[c]), output_len))
+            histories[c] = histories[c] + _corpus_window(corpus, rng, assistant_len)
+    return requests
+
+
+def max_prefix_hit_rate(requests: Sequence[BenchRequest], block_size: int) -> float:
+    """The best hit rate any full-block prefix cache can reach on this workload in this order (infinite
+    cache; the last prompt token is always computed). Benchmarks print it next to the measured rate."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for r in requests:
+        ids = r.prompt_token_ids
+        full = (len(ids) - 1) // block_size
+        i = 0
+        while i < full and tuple(ids[:(i + 1) * block_size]) in seen:
+            i += 1
+        hits += i * block_size
+        total += len(ids)
+        for j in range(1, len(ids) // block_size + 1):
+            seen.add(tuple(ids[:j * block_size]))
+    return hits / total if total else 0.0
 
 
 def _check_range(name: str, r: Sequence[int]) -> tuple[int, int]:
@@ -89,6 +147,13 @@ def _check_range(name: str, r: Sequence[int]) -> tuple[int, int]:
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     """Workload flags shared by `pagoda bench throughput` and `pagoda bench serve`."""
     g = p.add_argument_group("workload (log-uniform lengths, prompts cut from GPL-3 text)")
+    g.add_argument("--dataset", choices=["chat", "prefix", "multiturn"], default="chat",
+                   help="chat: independent prompts; prefix: --num-prefixes shared prefixes of --prefix-len "
+                        "tokens + a --question-len question; multiturn: replayed conversations")
+    g.add_argument("--num-prefixes", type=int, default=8)
+    g.add_argument("--prefix-len", type=int, default=512)
+    g.add_argument("--question-len", type=int, default=32)
+    g.add_argument("--num-turns", type=int, default=6, help="multiturn: turns per conversation")
     g.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="number of requests")
     g.add_argument("--input-len-range", type=int, nargs=2, default=list(DEFAULT_INPUT_LEN_RANGE),
                    metavar=("LO", "HI"), help="prompt lengths in tokens, inclusive")
@@ -105,5 +170,12 @@ def seed_from_args(args: argparse.Namespace) -> int:
 
 def requests_from_args(args: argparse.Namespace, tokenizer: Encoder) -> list[BenchRequest]:
     """The workload that add_dataset_args' flags describe."""
+    dataset = getattr(args, "dataset", "chat")
+    if dataset == "prefix":
+        return shared_prefix_requests(tokenizer, args.num_prompts, args.num_prefixes, args.prefix_len,
+                                      args.question_len, args.output_len_range, seed_from_args(args))
+    if dataset == "multiturn":
+        return multi_turn_requests(tokenizer, max(1, args.num_prompts // args.num_turns), args.num_turns,
+                                   seed=seed_from_args(args))
     return synthetic_chat_requests(tokenizer, args.num_prompts, args.input_len_range, args.output_len_range,
                                    seed_from_args(args))
