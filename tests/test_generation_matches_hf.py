@@ -107,3 +107,20 @@ def test_prompt_logprobs_match_hf_log_softmax(tiny_llama, default_gguf):
         for rank, (val, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
             assert abs(entry[tid].logprob - val) < 1e-4
             assert entry[tid].rank == rank
+
+
+def test_prompt_logprobs_complete_under_chunking_and_preemption(tiny_llama, default_gguf):
+    prompts = [list(range(20 + i, 56 + i)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    ref = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32").generate(prompts, params, use_tqdm=False)
+    small = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", block_size=4, max_num_batched_tokens=8,
+                kv_cache_memory=12 * 2048)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == 36
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert pa.keys() == pb.keys()
+            for t in pa:
+                assert abs(pa[t].logprob - pb[t].logprob) < 1e-4

@@ -88,10 +88,11 @@ class Scheduler:
                         self.kv.free(seq.seq_id)
                         seq.num_computed_tokens = 0
                     break
-                if seq.request.params.prompt_logprobs is None and self.kv.enable_prefix_caching:
+                if seq.num_preemptions == 0 and self.kv.enable_prefix_caching:
+                    # Count first admissions only, so recomputation after preemption does not skew the rate.
                     self.kv.stats.queries += seq.num_tokens
                     self.kv.stats.hits += num_cached
-                seq.num_cached_tokens = num_cached
+                    seq.num_cached_tokens = num_cached
                 self.waiting.popleft()
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
@@ -103,8 +104,10 @@ class Scheduler:
 
     def _acquire_cached_prefix(self, seq: Sequence) -> int:
         """Reuse cached KV for a sequence that has none yet (new, or preempted and recomputing)."""
-        if seq.num_computed_tokens or seq.request.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need the logits of every prompt position
+        req = seq.request
+        if seq.num_computed_tokens or (req.prompt_logprobs is not None
+                                       and len(req.prompt_logprobs) < len(req.prompt_token_ids)):
+            return 0  # prompt logprobs still owed need the logits of those prompt positions
         seq.num_computed_tokens = self.kv.acquire_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
         return seq.num_computed_tokens
 

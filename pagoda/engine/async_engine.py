@@ -130,6 +130,9 @@ class AsyncEngine:
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop)
         with self._cond:
+            # Checked again under the lock: a worker dying after the check above must not strand this add.
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError("engine is not accepting requests")
             self._num_pending_adds += 1
             self._commands.append(("add", prompt, params, rid, stream, accepted, cache_salt))
             self._cond.notify_all()
@@ -308,7 +311,7 @@ class AsyncEngine:
             num_waiting=len(sched.waiting),
             kv_cache_usage=float(pool.usage()),
             num_free_blocks=int(pool.num_free),
-            num_preemptions=int(getattr(sched, "num_preemptions", 0)),
+            num_preemptions=sched.num_preemptions,
             prefix_cache_queries=eng.kv.stats.queries,
             prefix_cache_hits=eng.kv.stats.hits,
         )

@@ -26,10 +26,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
+    """Running totals since the engine started."""
     num_scheduled_tokens: int = 0
-    num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    num_preempted: int = 0
 
 
 class LLMEngine:
@@ -92,7 +91,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._req_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, text, ids, params, max_tokens, cache_salt=cache_salt)
+        req = Request(rid, text, ids, params, max_tokens, cache_salt=cache_salt,
+                      stop_ids=self.outputs.stop_ids(params))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))
@@ -105,7 +105,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), req, index, token_ids, len(req.prompt_token_ids))
         if req.params.seed is not None:
             seq.generator = torch.Generator().manual_seed(req.params.seed + index)
-        seq.decoder = self.tokenizer.decode_stream(req.params.skip_special_tokens)
+        seq.decoder = self.tokenizer.decode_stream(req.params.skip_special_tokens, req.prompt_token_ids[-5:])
         if req.params.logprobs is not None:
             seq.logprobs = []
         req.seqs.append(seq)
@@ -159,7 +159,6 @@ class LLMEngine:
                     self.scheduler.finish(seq)
         self.stats.num_scheduled_tokens += sched.total_tokens
         self.stats.num_generated_tokens += len(rows)
-        self.stats.num_preempted += len(sched.preempted)
         results = []
         for req in touched.values():
             results.append(self.outputs.make_output(req))
@@ -186,22 +185,16 @@ class LLMEngine:
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in seqs]
-        banned = []
-        for s, p in zip(seqs, params):
-            if s.num_output_tokens < p.min_tokens:
-                banned.append(sorted(self.outputs.stop_ids(p)))
-            else:
-                banned.append([])
-        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
-        return SamplingBatch(
-            params=params,
-            generators=[s.generator for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
-            prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
-            banned_token_ids=banned,
-        )
+        banned = [sorted(s.request.stop_ids) if s.num_output_tokens < p.min_tokens else [] for s, p in zip(seqs, params)]
+        batch = SamplingBatch(params=params, generators=[s.generator for s in seqs],
+                              output_token_ids=[], prompt_token_ids=[], banned_token_ids=banned)
+        if batch.any_penalty:  # histories are only gathered when some row needs them
+            batch.output_token_ids = [s.output_token_ids for s in seqs]
+            batch.prompt_token_ids = [s.request.prompt_token_ids for s in seqs]
+        return batch
 
     def _record_prompt_logprobs(self, sched: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
         for row, logits in prompt_logits.items():
-            seq = sched.seqs[row]
-            self.outputs.append_prompt_logprobs(seq.request, seq.num_computed_tokens, logits)
+            req = sched.seqs[row].request
+            assert req.prompt_logprobs is not None
+            self.outputs.append_prompt_logprobs(req, len(req.prompt_logprobs) - 1, logits)

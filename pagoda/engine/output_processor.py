@@ -15,13 +15,7 @@ from pagoda.sampling_params import SamplingParams
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._token_text: dict[int, str] = {}
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.id_to_token_text(token_id)
-        return text
+        self.token_text = tokenizer.id_to_token_text  # cached per token id by the tokenizer
 
     def stop_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids or [])
@@ -52,7 +46,7 @@ class OutputProcessor:
             self._check_stop(seq, tok, p)
 
     def _check_stop(self, seq: Sequence, tok: int, p: SamplingParams) -> None:
-        is_stop_token = tok in self.stop_ids(p)  # the sampler bans these below min_tokens
+        is_stop_token = tok in seq.request.stop_ids  # the sampler bans these below min_tokens
         if not is_stop_token or p.include_stop_str_in_output:
             assert seq.decoder is not None
             new_text = seq.decoder.step(tok)
@@ -72,7 +66,7 @@ class OutputProcessor:
                     return
         if is_stop_token:
             seq.finish_reason = "stop"
-            seq.stop_reason = None if tok in self.tokenizer.stop_token_ids and not p.stop_token_ids else tok
+            seq.stop_reason = tok if tok in p.stop_token_ids else None  # vLLM: None for EOS
         elif seq.num_output_tokens >= seq.request.max_tokens:
             seq.finish_reason = "length"
 
@@ -96,9 +90,9 @@ class OutputProcessor:
     def make_output(self, req: Request) -> RequestOutput:
         outs = [
             CompletionOutput(
-                index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                index=s.index, text=s.text, token_ids=s.output_token_ids,
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             )
             for s in req.seqs
         ]

@@ -57,9 +57,6 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    @property
-    def in_prompt(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
 
 
 @dataclass(eq=False)
@@ -69,12 +66,12 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int                 # resolved (params.max_tokens or what the context allows)
-    arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     aborted: bool = False
     cache_salt: str | None = None   # isolates this tenant's prefix cache entries
+    stop_ids: set[int] = field(default_factory=set)  # token ids that end a sequence (EOS unless ignored)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=time.time())
@@ -84,11 +81,14 @@ class Request:
         # With n > 1 the siblings appear only after the prompt is computed (they fork from seq 0).
         return (len(self.seqs) == self.params.n or self.aborted) and all(s.finished for s in self.seqs)
 
-    def wants_prompt_logprobs(self, num_computed: int) -> bool:
-        """True while the chunk starting at num_computed still has prompt logprobs to fill in."""
-        return (self.params.prompt_logprobs is not None and self.prompt_logprobs is not None
-                and len(self.prompt_logprobs) == num_computed + 1
-                and num_computed + 1 < len(self.prompt_token_ids))
+    def prompt_logprobs_span(self, start: int, end: int) -> tuple[int, int] | None:
+        """Prompt positions [first, last) of a chunk computing [start, end) whose logits still owe prompt
+        logprobs (position p's logits score prompt token p+1); None when there are none. Robust to chunk
+        boundaries that move when a preempted request is recomputed."""
+        if self.prompt_logprobs is None:
+            return None
+        first, last = len(self.prompt_logprobs) - 1, min(end, len(self.prompt_token_ids) - 1)
+        return (first, last) if start <= first < last else None
 
 
 __all__ = ["Logprob", "Request", "SeqStatus", "Sequence"]

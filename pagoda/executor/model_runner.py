@@ -99,8 +99,9 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if seq.request.wants_prompt_logprobs(start):
-                prompt_spans[row] = (query_start[-1], min(end, seq.num_prompt_tokens - 1) - start)
+            span = seq.request.prompt_logprobs_span(start, end)
+            if span is not None:  # (first, last) prompt positions -> (flat offset, length)
+                prompt_spans[row] = (query_start[-1] + span[0] - start, span[1] - span[0])
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             if end == seq.num_tokens:  # the chunk reaches the last token: it samples

@@ -90,13 +90,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: fp32 [B, V] -> one token per row."""
         logits = logits.float()
+        # Logprobs report the model's raw distribution, before any processing (vLLM v1's default).
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
         if batch.any_penalty:
             logits = apply_penalties(logits, batch)
         for i, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[i, banned] = _NEG_INF
-        # Logprobs report the model's distribution after penalties, before temperature/truncation.
-        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
 
         greedy_ids = logits.argmax(dim=-1)
         if batch.all_greedy:

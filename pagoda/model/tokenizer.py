@@ -35,9 +35,12 @@ def cache_dir() -> str:
 class IncrementalDecoder:
     """Streams text for one sequence, token by token; never emits a partial UTF-8 character."""
 
-    def __init__(self, tokenizer: _HFTokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: _HFTokenizer, skip_special_tokens: bool = True,
+                 prefix_ids: list[int] | None = None) -> None:
         self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # A few prompt tokens of context: SentencePiece decoders drop a word's leading space at the
+        # start of a stream, so the first generated word would lose it.
+        self._stream = DecodeStream(ids=list(prefix_ids or []), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         """Feed one token id; return the newly completed text ('' while a character is incomplete)."""
@@ -105,8 +108,9 @@ class Tokenizer:
             self._token_text_cache[token_id] = text
         return text
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
-        return IncrementalDecoder(self._tok, skip_special_tokens)
+    def decode_stream(self, skip_special_tokens: bool = True, prefix_ids: list[int] | None = None) -> IncrementalDecoder:
+        """Incremental decoder; `prefix_ids` (the prompt's last tokens) give the first token its context."""
+        return IncrementalDecoder(self._tok, skip_special_tokens, prefix_ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any) -> str:
         """Render the chat template like transformers' apply_chat_template(tokenize=False)."""
