@@ -143,7 +143,9 @@ def _chunk_has_output(target: Target, choice: dict[str, Any]) -> bool:
         delta = choice.get("delta") or {}
         # The role-only first delta is no output yet; reasoning models stream reasoning_content first.
         return bool(delta.get("content") or delta.get("reasoning_content"))
-    return True  # a completions choice chunk stands for at least one generated token
+    # A completions chunk stands for a generated token unless it is the closing, text-less one that only
+    # carries finish_reason (llama.cpp's server sends one; counting it would add a token per request).
+    return bool(choice.get("text")) or choice.get("finish_reason") is None
 
 
 async def send_request(client: Any, target: Target, prompt: str | list[int], req: BenchRequest,

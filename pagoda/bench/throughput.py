@@ -22,6 +22,7 @@ import torch
 from pagoda.bench.datasets import (
     BenchRequest,
     add_dataset_args,
+    max_prefix_hit_rate,
     requests_from_args,
     seed_from_args,
     synthetic_chat_requests,
@@ -43,6 +44,8 @@ class ThroughputResult:
     num_requests: int
     prompt_tokens: int
     output_tokens: int
+    ttft_median_s: float = 0.0       # all requests arrive at once: time until each one's first token
+    prefix_hit_rate: float = 0.0     # prompt tokens served from the prefix cache / prompt tokens
 
     @property
     def requests_s(self) -> float:
@@ -80,8 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     add_engine_args(p)
     add_dataset_args(p)
-    p.add_argument("--compare", nargs="+", choices=["hf", "vllm"], default=[],
-                   help="also run these peers, after pagoda, on the same model and workload and print our ratio")
+    p.add_argument("--compare", nargs="+", choices=["hf", "vllm", "no-prefix-cache"], default=[],
+                   help="also run these, after pagoda, on the same model and workload and print our ratio "
+                        "(no-prefix-cache: pagoda itself with prefix caching off)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="python of the venv with vLLM's CPU build, for --compare vllm (default: $PAGODA_VLLM_PYTHON "
                         "or /work/peers/vllm/bin/python)")
@@ -97,8 +101,11 @@ def _params(output_len: int) -> SamplingParams:
 
 
 def run_engine(llm: LLM, requests: Sequence[BenchRequest]) -> ThroughputResult:
-    """Time one llm.generate over all requests, after a short warm-up generate."""
+    """Time one llm.generate over all requests, after a short warm-up generate (cache cold at the start)."""
     llm.generate([requests[0].prompt_token_ids[:16]], _params(4), use_tqdm=False)
+    llm.reset_prefix_cache()
+    kv_stats = llm.engine.kv.stats
+    hits0, queries0 = kv_stats.hits, kv_stats.queries
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], [_params(r.output_len) for r in requests],
                         use_tqdm=False)
@@ -107,7 +114,12 @@ def run_engine(llm: LLM, requests: Sequence[BenchRequest]) -> ThroughputResult:
     short = [(i, n, r.output_len) for i, (n, r) in enumerate(zip(produced, requests)) if n != r.output_len]
     if short:
         raise RuntimeError(f"engine produced other lengths than asked (index, got, asked): {short[:5]}")
-    return ThroughputResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests), sum(produced))
+    ttfts = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs
+                   if o.metrics is not None and o.metrics.first_token_time is not None)
+    queries = kv_stats.queries - queries0
+    return ThroughputResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests), sum(produced),
+                            ttft_median_s=ttfts[len(ttfts) // 2] if ttfts else 0.0,
+                            prefix_hit_rate=(kv_stats.hits - hits0) / queries if queries else 0.0)
 
 
 def run_batch1_decode(llm: LLM, prompt: list[int], output_len: int) -> Batch1Result:
@@ -143,7 +155,10 @@ def _print_report(report: dict[str, Any]) -> None:
           f"({w['prompt_tokens']} tokens), outputs {w['output_len_range'][0]}..{w['output_len_range'][1]} "
           f"({w['output_tokens']} tokens), seed {w['seed']}")
     print(f"pagoda: {ours['elapsed_s']:.2f} s, {ours['requests_s']:.2f} req/s, "
-          f"{ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s")
+          f"{ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s, "
+          f"median TTFT {1000 * ours['ttft_median_s']:.0f} ms")
+    print(f"prefix cache: hit rate {100 * ours['prefix_hit_rate']:.1f}% of prompt tokens "
+          f"(the workload's best possible: {100 * report['max_prefix_hit_rate']:.1f}%)")
     roof = report.get("roofline")
     if roof:
         print(f"roofline: matmul {roof['matmul_flops'] / 1e9:.0f} GFLOP/s, read {roof['read_bandwidth'] / 1e9:.1f} GB/s;"
@@ -160,6 +175,9 @@ def _print_report(report: dict[str, Any]) -> None:
     for name, peer in report.get("peers", {}).items():
         line = (f"{name}: {peer['elapsed_s']:.2f} s, {peer['output_tok_s']:.1f} useful output tok/s "
                 f"({peer['generated_tokens']} generated); pagoda / {name} = {peer['ratio']:.2f}x")
+        if "ttft_median_s" in peer and peer["ttft_median_s"]:
+            line += (f"; median TTFT {1000 * peer['ttft_median_s']:.0f} ms "
+                     f"(pagoda {peer['ttft_median_s'] / max(ours['ttft_median_s'], 1e-9):.1f}x lower)")
         if "compute_efficiency" in peer:
             line += f"; {name} achieves {100 * peer['compute_efficiency']:.1f}% of the matmul roofline"
         print(line)
@@ -206,6 +224,8 @@ def main(args: argparse.Namespace) -> int:
                      "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
                      "flops": flops},
         "pagoda": {**ours.to_dict(), "achieved_flops": flops / ours.elapsed_s},
+        # The best any full-block prefix cache could do on this workload, next to what we measured.
+        "max_prefix_hit_rate": max_prefix_hit_rate(requests, engine.config.cache.block_size),
     }
     if roofline is not None:
         report["roofline"] = roofline.to_dict()
@@ -237,6 +257,13 @@ def main(args: argparse.Namespace) -> int:
 
             _progress(f"hf: {len(requests)} requests in static batches ...")
             peer = run_hf_peer(model_path, requests, dtype).to_dict()
+        elif name == "no-prefix-cache":
+            _progress(f"pagoda without prefix caching: {len(requests)} requests ...")
+            cold = LLM(args.model, **{**engine_kwargs(args), "enable_prefix_caching": False})
+            peer = {**run_engine(cold, requests).to_dict()}
+            peer["generated_tokens"] = peer["output_tokens"]
+            del cold
+            gc.collect()
         else:
             from pagoda.bench.vllm_peer import DEFAULT_VLLM_PYTHON, check_python, run_vllm_peer
 

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from pagoda.kernels.cpu_extension import kernel_available
 
 # The elementwise C++ loops win where op count dominates (decode, a few rows); on large prefill
-# chunks torch's vectorized kernels are faster (measured: silu_and_mul 3.5 ms vs ~0.4 ms at 512x1536 bf16).
-_MAX_ROWS_ELEMENTWISE = 64
+# chunks torch's vectorized kernels are faster (measured: silu_and_mul 3.5 ms vs ~0.4 ms at 512x1536 bf16,
+# and 169 vs ~60 us at 64 rows).
+_MAX_ROWS_ELEMENTWISE = 8
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
