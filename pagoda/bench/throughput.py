@@ -151,9 +151,9 @@ def _print_report(report: dict[str, Any]) -> None:
     w, ours = report["workload"], report["pagoda"]
     print(f"== pagoda bench throughput: {report['model']} ({report['dtype']}, {report['threads']} threads, "
           f"load average {report['loadavg_1m_at_start']:.1f} at start) ==")
-    print(f"workload: {w['num_prompts']} requests, prompts {w['input_len_range'][0]}..{w['input_len_range'][1]} "
-          f"({w['prompt_tokens']} tokens), outputs {w['output_len_range'][0]}..{w['output_len_range'][1]} "
-          f"({w['output_tokens']} tokens), seed {w['seed']}")
+    lengths = (f"prompts {w['input_len_range'][0]}..{w['input_len_range'][1]} " if w["dataset"] == "chat" else "")
+    print(f"workload: {w['dataset']}, {w['num_prompts']} requests, {lengths}({w['prompt_tokens']} prompt tokens), "
+          f"{w['output_tokens']} output tokens, seed {w['seed']}")
     print(f"pagoda: {ours['elapsed_s']:.2f} s, {ours['requests_s']:.2f} req/s, "
           f"{ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s, "
           f"median TTFT {1000 * ours['ttft_median_s']:.0f} ms")
@@ -161,7 +161,8 @@ def _print_report(report: dict[str, Any]) -> None:
           f"(the workload's best possible: {100 * report['max_prefix_hit_rate']:.1f}%)")
     roof = report.get("roofline")
     if roof:
-        print(f"roofline: matmul {roof['matmul_flops'] / 1e9:.0f} GFLOP/s, read {roof['read_bandwidth'] / 1e9:.1f} GB/s;"
+        print(f"roofline: matmul {roof['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+              f"read {roof['read_bandwidth'] / 1e9:.1f} GB/s;"
               f" pagoda achieves {ours['achieved_flops'] / 1e9:.1f} GFLOP/s = "
               f"{100 * ours['compute_efficiency']:.1f}% of the matmul roofline")
     b1 = report.get("batch1_decode")
@@ -219,7 +220,8 @@ def main(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         # Other processes on the machine skew every figure; the 1-minute load average flags it.
         "loadavg_1m_at_start": load_at_start,
-        "workload": {"num_prompts": len(requests), "input_len_range": list(args.input_len_range),
+        "workload": {"dataset": getattr(args, "dataset", "chat"), "num_prompts": len(requests),
+                     "input_len_range": list(args.input_len_range),
                      "output_len_range": list(args.output_len_range), "seed": seed_from_args(args),
                      "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
                      "flops": flops},

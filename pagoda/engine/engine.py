@@ -185,7 +185,8 @@ class LLMEngine:
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in seqs]
-        banned = [sorted(s.request.stop_ids) if s.num_output_tokens < p.min_tokens else [] for s, p in zip(seqs, params)]
+        banned = [sorted(s.request.stop_ids) if s.num_output_tokens < p.min_tokens else []
+                  for s, p in zip(seqs, params)]
         batch = SamplingBatch(params=params, generators=[s.generator for s in seqs],
                               output_token_ids=[], prompt_token_ids=[], banned_token_ids=banned)
         if batch.any_penalty:  # histories are only gathered when some row needs them

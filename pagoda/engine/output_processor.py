@@ -92,7 +92,8 @@ class OutputProcessor:
             CompletionOutput(
                 index=s.index, text=s.text, token_ids=s.output_token_ids,
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             )
             for s in req.seqs
         ]

@@ -108,7 +108,8 @@ class Tokenizer:
             self._token_text_cache[token_id] = text
         return text
 
-    def decode_stream(self, skip_special_tokens: bool = True, prefix_ids: list[int] | None = None) -> IncrementalDecoder:
+    def decode_stream(self, skip_special_tokens: bool = True,
+                      prefix_ids: list[int] | None = None) -> IncrementalDecoder:
         """Incremental decoder; `prefix_ids` (the prompt's last tokens) give the first token its context."""
         return IncrementalDecoder(self._tok, skip_special_tokens, prefix_ids)
 

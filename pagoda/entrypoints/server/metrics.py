@@ -48,7 +48,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("pagoda:prompt_tokens", "Prompt tokens accepted")
         self.generation_tokens = counter("pagoda:generation_tokens", "Tokens generated")
         self.num_preemptions = counter("pagoda:num_preemptions", "Sequences preempted (KV dropped, recomputed)")
-        self.prefix_cache_queries = counter("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_queries = counter("pagoda:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("pagoda:prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.request_success = counter("pagoda:request_success", "Finished requests by finish reason",
                                        ["finished_reason"])
