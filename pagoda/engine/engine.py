@@ -150,7 +150,10 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if rows:
             seqs = [s for s, _ in rows]
-            logits = out.sample_logits[torch.tensor([r for _, r in rows])]
+            row_ids = [r for _, r in rows]
+            # Forked siblings reuse a row; otherwise rows are in order and the logits need no gather.
+            logits = out.sample_logits if row_ids == list(range(len(out.sample_logits))) else \
+                out.sample_logits[torch.tensor(row_ids)]
             sampled = self.sampler(logits, self._sampling_batch(seqs))
             self.outputs.append_tokens(seqs, sampled)
             for seq in seqs:

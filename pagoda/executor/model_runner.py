@@ -119,8 +119,12 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         )
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)]) if sample_idx else \
-            torch.empty(0, self.args.vocab_size)
+        if len(sample_idx) == len(input_ids):  # pure decode: every token samples, no gather needed
+            logits = self.model.compute_logits(hidden)
+        elif sample_idx:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
+        else:
+            logits = torch.empty(0, self.args.vocab_size)
         prompt_logits = {row: self.model.compute_logits(hidden[s:s + length])
                          for row, (s, length) in prompt_spans.items() if length > 0}
         return ModelOutput(sample_logits=logits.cpu(), sample_rows=sample_rows,

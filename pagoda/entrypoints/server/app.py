@@ -312,7 +312,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
 
     async def stream_events(request: Request, queued: list[tuple[str, asyncio.Queue]],
                             make_chunks: Callable[[int, RequestOutput], list[dict[str, Any]]],
-                            preamble: list[dict[str, Any]], usage_chunk: Callable[[P.Usage], dict[str, Any]] | None,
+                            preamble: list[dict[str, Any]],
+                            empty_chunk: Callable[[list[dict[str, Any]]], dict[str, Any]] | None,
                             ) -> AsyncIterator[str]:
         streams = [engine.stream(rid, q) for rid, q in queued]
         finals: dict[int, RequestOutput] = {}
@@ -334,8 +335,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                     yield _sse(chunk)
             if len(finals) < len(queued):
                 raise EngineDeadError("the request was aborted (server shutting down)")
-            if usage_chunk is not None:
-                yield _sse(usage_chunk(usage_of(list(finals.values()))))
+            if empty_chunk is not None:  # stream_options.include_usage: a last chunk with no choices
+                body = empty_chunk([])
+                body["usage"] = usage_of(list(finals.values())).model_dump()
+                yield _sse(body)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except EngineDeadError as e:
@@ -443,13 +446,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                                                         stop_reason=c.stop_reason).model_dump()]))
             return result
 
-        def usage_chunk(u: P.Usage) -> dict[str, Any]:
-            body = chunk([])
-            body["usage"] = u.model_dump()
-            return body
-
-        return sse_response(stream_events(request, queued, make_chunks, [],
-                                          usage_chunk if include_usage else None))
+        return sse_response(stream_events(request, queued, make_chunks, [], chunk if include_usage else None))
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
@@ -521,13 +518,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason).model_dump()]))
             return result
 
-        def usage_chunk(u: P.Usage) -> dict[str, Any]:
-            body = chunk([])
-            body["usage"] = u.model_dump()
-            return body
-
         return sse_response(stream_events(request, queued, make_chunks, preamble,
-                                          usage_chunk if include_usage else None))
+                                          chunk if include_usage else None))
 
     @v1.get("/models")
     async def models() -> P.ModelList:
