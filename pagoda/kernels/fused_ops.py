@@ -32,6 +32,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         residual.add_(x)
         x = residual
+    if x.device.type == "cpu":  # one fused op (fp32 math inside); rounds once, where HF rounds twice in bf16
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
