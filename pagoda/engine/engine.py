@@ -129,6 +129,7 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the step ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return outputs of every request that changed (finished ones last time)."""
         sched = self.scheduler.schedule()
