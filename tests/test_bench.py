@@ -146,7 +146,8 @@ def test_bench_throughput_cli_on_a_tiny_model_with_hf_compare_and_batch1(tmp_pat
     model = _with_byte_tokenizer(Path(tiny_llama), tmp_path / "model")
     out = tmp_path / "result.json"
     rc = main(["bench", "throughput", "--model", str(model), "--num-prompts", "5", "--input-len-range", "8", "32",
-               "--output-len-range", "4", "12", "--no-roofline", "--dtype", "float32", "--kv-cache-memory", "32MiB", "--compare", "hf",
+               "--output-len-range", "4", "12", "--no-roofline", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+               "--compare", "hf",
                "--batch1-decode", "--output-json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())

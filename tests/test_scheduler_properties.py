@@ -86,7 +86,8 @@ class Simulator:
 
 PREFIXES = [list(range(100, 140)), list(range(200, 213)), [7] * 9]
 # Tails from a tiny alphabet: equal blocks at different positions must still not share KV.
-request_spec = st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1, max_size=30), st.integers(1, 30), st.integers(1, 3),
+request_spec = st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1, max_size=30),
+                         st.integers(1, 30), st.integers(1, 3),
                          st.booleans(), st.integers(0, 20), st.sampled_from([None, "a", "b"]))
 
 

@@ -182,7 +182,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert all(x <= 0 for x in lp.token_logprobs)
     assert all(3 <= len(top) <= 4 for top in lp.top_logprobs)
     # Greedy: the chosen token is the most likely one.
-    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert x == pytest.approx(max(top.values()), abs=1e-4)
     chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0,
                                           logprobs=True, top_logprobs=2)
