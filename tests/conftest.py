@@ -42,6 +42,23 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama"))
 
 
+@pytest.fixture
+def tiny_llama_byte_tokenizer(tiny_llama, tmp_path) -> Path:
+    """A copy of the tiny Llama folder with a byte-level tokenizer.json (ids 0..255 fit any vocab >= 256)."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    dest = tmp_path / "model"
+    shutil.copytree(tiny_llama, dest)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(dest / "tokenizer.json"))
+    return dest
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tie_word_embeddings=True))

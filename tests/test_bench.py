@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -126,24 +125,12 @@ def test_roofline_measurements_are_positive_on_small_sizes() -> None:
 
 
 # ---- end to end ----------------------------------------------------------------------------------
-def _with_byte_tokenizer(model_dir: Path, dest: Path) -> Path:
-    """A copy of a tiny model folder with a byte-level tokenizer.json (ids 0..255 fit any vocab >= 256)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    shutil.copytree(model_dir, dest)
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(dest / "tokenizer.json"))
-    return dest
-
-
 @needs_corpus
-def test_bench_throughput_cli_on_a_tiny_model_with_hf_compare_and_batch1(tmp_path: Path, tiny_llama: str) -> None:
+def test_bench_throughput_cli_on_a_tiny_model_with_hf_compare_and_batch1(tmp_path: Path,
+                                                                          tiny_llama_byte_tokenizer: Path) -> None:
     from pagoda.entrypoints.cli import main
 
-    model = _with_byte_tokenizer(Path(tiny_llama), tmp_path / "model")
+    model = tiny_llama_byte_tokenizer
     out = tmp_path / "result.json"
     rc = main(["bench", "throughput", "--model", str(model), "--num-prompts", "5", "--input-len-range", "8", "32",
                "--output-len-range", "4", "12", "--no-roofline", "--dtype", "float32", "--kv-cache-memory", "32MiB",

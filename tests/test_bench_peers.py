@@ -79,21 +79,6 @@ def _requests() -> list[BenchRequest]:
     return [BenchRequest([1, 2, 3, 4], 5), BenchRequest(list(range(10, 40)), 3), BenchRequest([9], 1)]
 
 
-def _with_byte_tokenizer(model_dir: Path, dest: Path) -> Path:
-    """A copy of a tiny model folder with a byte-level tokenizer.json (ids 0..255 fit any vocab >= 256)."""
-    import shutil
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    shutil.copytree(model_dir, dest)
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(dest / "tokenizer.json"))
-    return dest
-
-
 def _load_script():
     spec = importlib.util.spec_from_file_location("vllm_offline_under_test", vllm_peer.SCRIPT)
     mod = importlib.util.module_from_spec(spec)
@@ -192,10 +177,11 @@ def test_runner_reports_a_peer_that_produced_the_wrong_lengths(fake_vllm: Path, 
 
 
 @pytest.mark.skipif(not CORPUS_PATH.is_file(), reason=f"benchmark corpus {CORPUS_PATH} missing")
-def test_bench_throughput_compare_vllm_with_a_stand_in(fake_vllm: Path, tmp_path: Path, tiny_llama: str) -> None:
+def test_bench_throughput_compare_vllm_with_a_stand_in(fake_vllm: Path, tmp_path: Path,
+                                                       tiny_llama_byte_tokenizer: Path) -> None:
     from pagoda.entrypoints.cli import main
 
-    model = _with_byte_tokenizer(Path(tiny_llama), tmp_path / "model")
+    model = tiny_llama_byte_tokenizer
     out = tmp_path / "result.json"
     rc = main(["bench", "throughput", "--model", str(model), "--num-prompts", "4", "--input-len-range", "8", "24",
                "--output-len-range", "4", "10", "--no-roofline", "--dtype", "float32", "--kv-cache-memory", "32MiB",

@@ -47,7 +47,6 @@ class ModelRunner:
         model.prepare()
         self.model = model.eval()
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)
-        self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ---- KV pool -------------------------------------------------------------------------------
@@ -60,7 +59,6 @@ class ModelRunner:
         """One preallocated pool per layer: [num_blocks, Hkv, block_size, D] for K and for V."""
         a = self.args
         shape = (num_blocks, a.num_kv_heads, self.block_size, a.head_dim)
-        self.num_blocks = num_blocks
         self.kv_caches = []
         for attn in self.model.attention_layers():
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
