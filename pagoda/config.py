@@ -54,6 +54,7 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | str | None = None  # bytes; None = a share of free RAM
+    kv_cache_dtype: str = "auto"  # auto (= compute dtype), int8, fp8_e4m3, fp8_e5m2
     # Share of available RAM the KV pool takes when kv_cache_memory is not given.
     memory_fraction: float = 0.25
     max_default_bytes: int = 4 << 30
@@ -82,15 +83,17 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    quantization: str | None = None  # weight quantization method (pagoda.quantization), None = as stored
+    speculative_config: dict[str, Any] | None = None  # {"method": "ngram"|"draft_model"|"self", ...}
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kw: Any) -> "EngineConfig":
         """Build from vLLM-style flat keyword arguments (dtype=, block_size=, ...)."""
-        cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching"}
+        cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-        top_keys = {"tokenizer", "dtype", "device", "seed"}
+        top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config"}
         unknown = set(kw) - cache_keys - sched_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")

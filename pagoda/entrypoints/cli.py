@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 from typing import Any
@@ -21,11 +22,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse KV blocks of shared prompt prefixes across requests (default on)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="weight quantization: int8, int4, fp8 or gguf (default: weights as stored)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage dtype (default auto = the compute dtype)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
-            "enable_prefix_caching"]
+            "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

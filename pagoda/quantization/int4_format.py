@@ -1,0 +1,81 @@
+"""The INT4 group-wise weight format shared by RTN, GPTQ, AWQ and saved checkpoints.
+
+A weight W [N, K] (out, in) is split along K into groups of `group_size` input channels. Each
+(row, group) has a float scale s and a float zero point z in code units, and every weight is a
+4-bit code q in 0..15:  W[n, k] ~= (q[n, k] - z[n, g]) * s[n, g],  g = k // group_size.
+Codes are stored two per byte, [N, K // 2] uint8, low nibble = even k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QMAX = 15
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class Int4Weight:
+    qweight: torch.Tensor  # uint8 [N, K // 2], packed codes
+    scales: torch.Tensor   # fp32 [N, K // group_size]
+    zeros: torch.Tensor    # fp32 [N, K // group_size], zero point in code units (may be fractional)
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], self.qweight.shape[1] * 2
+
+    def codes(self) -> torch.Tensor:
+        return unpack_int4(self.qweight)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_codes(self.codes(), self.scales, self.zeros, self.group_size).to(dtype)
+
+
+def check_group_size(k: int, group_size: int) -> None:
+    if group_size <= 0 or k % group_size or group_size % 2:
+        raise ValueError(f"int4 group_size {group_size} must be even and divide the input size {k}")
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] in 0..15 -> [N, K // 2], low nibble = even column."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K // 2] uint8 -> codes [N, K] uint8."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def group_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max asymmetric (scale, zero) per (row, group) of a float weight [N, K]."""
+    n, k = w.shape
+    check_group_size(k, group_size)
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo = g.amin(-1).clamp(max=0)
+    hi = g.amax(-1).clamp(min=0)
+    scales = ((hi - lo) / QMAX).clamp(min=1e-8)
+    zeros = torch.round(-lo / scales)
+    return scales, zeros
+
+
+def quantize_codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Round W to codes given per-group (scale, zero): q = clamp(round(w / s) + z, 0, 15)."""
+    s = scales.repeat_interleave(group_size, dim=1)
+    z = zeros.repeat_interleave(group_size, dim=1)
+    return torch.clamp(torch.round(w.float() / s) + z, 0, QMAX).to(torch.uint8)
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    s = scales.repeat_interleave(group_size, dim=1)
+    z = zeros.repeat_interleave(group_size, dim=1)
+    return (codes.float() - z) * s
+
+
+def quantize_int4_rtn(w: torch.Tensor, group_size: int = 128) -> Int4Weight:
+    """Round-to-nearest INT4 with min-max group scales (the baseline GPTQ and AWQ improve on)."""
+    scales, zeros = group_params(w, group_size)
+    codes = quantize_codes(w, scales, zeros, group_size)
+    return Int4Weight(pack_int4(codes), scales, zeros, group_size)
