@@ -8,6 +8,8 @@ from typing import Any
 import psutil
 import torch
 
+from pagoda.kernels.kv_quant import check_kv_cache_dtype
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
 
@@ -59,6 +61,9 @@ class CacheConfig:
     memory_fraction: float = 0.25
     max_default_bytes: int = 4 << 30
 
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
+
     def pool_bytes(self) -> int:
         explicit = parse_memory(self.kv_cache_memory)
         if explicit is not None:
@@ -84,6 +89,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     quantization: str | None = None  # weight quantization method (pagoda.quantization), None = as stored
+    quantization_group_size: int = 128  # int4 group size (32, 64 or 128; smaller where K needs it)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram"|"draft_model"|"self", ...}
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -93,7 +99,8 @@ class EngineConfig:
         """Build from vLLM-style flat keyword arguments (dtype=, block_size=, ...)."""
         cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-        top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config"}
+        top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
+                    "quantization_group_size"}
         unknown = set(kw) - cache_keys - sched_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")

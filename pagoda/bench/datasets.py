@@ -120,6 +120,47 @@ def multi_turn_requests(tokenizer: Encoder, num_conversations: int = 16, num_tur
     return requests
 
 
+EDIT_INSTRUCTIONS = ("Repeat the following text exactly, word for word:",
+                     "The following text has a few typos. Rewrite it in full with the typos fixed:",
+                     "Copy the following passage, keeping every sentence as it is:")
+
+
+def _typo(word: str, rng: random.Random) -> str:
+    if len(word) < 4:
+        return word
+    i = 1 + int(rng.random() * (len(word) - 2))
+    return word[:i - 1] + word[i] + word[i - 1] + word[i + 1:]  # swap two neighbouring letters
+
+
+def edit_requests(tokenizer: Encoder, num_prompts: int = 32, input_len_range: Sequence[int] = (64, 256),
+                  seed: int = DEFAULT_SEED, corpus_path: str | Path = CORPUS_PATH) -> list[BenchRequest]:
+    """Input-grounded traffic (where speculative decoding by prompt lookup shines): each prompt asks the model
+    to repeat or correct a passage of the corpus, with the chat template when the tokenizer has one, and asks
+    for about as many tokens as the passage holds, so the output copies long spans of the input."""
+    lo, hi = _check_range("input_len_range", input_len_range)
+    words = load_corpus(corpus_path).split()
+    rng = random.Random(seed)
+    template = getattr(tokenizer, "apply_chat_template", None)
+    requests = []
+    for i in range(num_prompts):
+        target = log_uniform_int(rng, lo, hi)
+        n_words = max(4, int(target / 1.4))  # English runs about 1.3-1.5 tokens a word
+        start = int(rng.random() * (len(words) - n_words))
+        passage_words = words[start:start + n_words]
+        instruction = EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)]
+        if "typos" in instruction:
+            passage_words = [_typo(w, rng) if rng.random() < 0.05 else w for w in passage_words]
+        passage = " ".join(passage_words)
+        text = f"{instruction}\n\n{passage}"
+        if template is not None:
+            prompt = tokenizer.encode(template([{"role": "user", "content": text}], add_generation_prompt=True),
+                                      add_special_tokens=False)
+        else:
+            prompt = tokenizer.encode(text, add_special_tokens=False)
+        requests.append(BenchRequest(prompt, len(tokenizer.encode(passage, add_special_tokens=False))))
+    return requests
+
+
 def max_prefix_hit_rate(requests: Sequence[BenchRequest], block_size: int) -> float:
     """The best hit rate any full-block prefix cache can reach on this workload in this order (infinite
     cache; the last prompt token is always computed). Benchmarks print it next to the measured rate."""
@@ -147,9 +188,10 @@ def _check_range(name: str, r: Sequence[int]) -> tuple[int, int]:
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     """Workload flags shared by `pagoda bench throughput` and `pagoda bench serve`."""
     g = p.add_argument_group("workload (log-uniform lengths, prompts cut from GPL-3 text)")
-    g.add_argument("--dataset", choices=["chat", "prefix", "multiturn"], default="chat",
+    g.add_argument("--dataset", choices=["chat", "prefix", "multiturn", "edit"], default="chat",
                    help="chat: independent prompts; prefix: --num-prefixes shared prefixes of --prefix-len "
-                        "tokens + a --question-len question; multiturn: replayed conversations")
+                        "tokens + a --question-len question; multiturn: replayed conversations; edit: repeat or "
+                        "correct a passage of --input-len-range tokens (input-grounded: outputs copy the input)")
     g.add_argument("--num-prefixes", type=int, default=8)
     g.add_argument("--prefix-len", type=int, default=512)
     g.add_argument("--question-len", type=int, default=32)
@@ -174,6 +216,8 @@ def requests_from_args(args: argparse.Namespace, tokenizer: Encoder) -> list[Ben
     if dataset == "prefix":
         return shared_prefix_requests(tokenizer, args.num_prompts, args.num_prefixes, args.prefix_len,
                                       args.question_len, args.output_len_range, seed_from_args(args))
+    if dataset == "edit":
+        return edit_requests(tokenizer, args.num_prompts, args.input_len_range, seed_from_args(args))
     if dataset == "multiturn":
         return multi_turn_requests(tokenizer, max(1, args.num_prompts // args.num_turns), args.num_turns,
                                    seed=seed_from_args(args))

@@ -46,6 +46,7 @@ class ThroughputResult:
     output_tokens: int
     ttft_median_s: float = 0.0       # all requests arrive at once: time until each one's first token
     prefix_hit_rate: float = 0.0     # prompt tokens served from the prefix cache / prompt tokens
+    spec_decode: dict[str, float] | None = None  # speculative decoding counters of the timed run, when it is on
 
     @property
     def requests_s(self) -> float:
@@ -83,9 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     add_engine_args(p)
     add_dataset_args(p)
-    p.add_argument("--compare", nargs="+", choices=["hf", "vllm", "no-prefix-cache"], default=[],
+    p.add_argument("--compare", nargs="+", choices=["hf", "vllm", "no-prefix-cache", "no-spec"], default=[],
                    help="also run these, after pagoda, on the same model and workload and print our ratio "
-                        "(no-prefix-cache: pagoda itself with prefix caching off)")
+                        "(no-prefix-cache: pagoda itself with prefix caching off; no-spec: pagoda without "
+                        "--speculative-config, i.e. the speedup of speculation)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="python of the venv with vLLM's CPU build, for --compare vllm (default: $PAGODA_VLLM_PYTHON "
                         "or /work/peers/vllm/bin/python)")
@@ -106,6 +108,11 @@ def run_engine(llm: LLM, requests: Sequence[BenchRequest]) -> ThroughputResult:
     llm.reset_prefix_cache()
     kv_stats = llm.engine.kv.stats
     hits0, queries0 = kv_stats.hits, kv_stats.queries
+    speculator = llm.engine.speculator
+    if speculator is not None:
+        from pagoda.spec_decode.speculator import SpecDecodeStats
+
+        speculator.stats = SpecDecodeStats()  # count the timed run only
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], [_params(r.output_len) for r in requests],
                         use_tqdm=False)
@@ -117,9 +124,15 @@ def run_engine(llm: LLM, requests: Sequence[BenchRequest]) -> ThroughputResult:
     ttfts = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs
                    if o.metrics is not None and o.metrics.first_token_time is not None)
     queries = kv_stats.queries - queries0
+    spec = None
+    if speculator is not None:
+        st = speculator.stats
+        spec = {"num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+                "num_accepted_tokens": st.num_accepted_tokens, "num_emitted_tokens": st.num_emitted_tokens,
+                "acceptance_rate": st.acceptance_rate, "mean_acceptance_length": st.mean_acceptance_length}
     return ThroughputResult(elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests), sum(produced),
                             ttft_median_s=ttfts[len(ttfts) // 2] if ttfts else 0.0,
-                            prefix_hit_rate=(kv_stats.hits - hits0) / queries if queries else 0.0)
+                            prefix_hit_rate=(kv_stats.hits - hits0) / queries if queries else 0.0, spec_decode=spec)
 
 
 def run_batch1_decode(llm: LLM, prompt: list[int], output_len: int) -> Batch1Result:
@@ -157,6 +170,12 @@ def _print_report(report: dict[str, Any]) -> None:
     print(f"pagoda: {ours['elapsed_s']:.2f} s, {ours['requests_s']:.2f} req/s, "
           f"{ours['output_tok_s']:.1f} output tok/s, {ours['total_tok_s']:.1f} total tok/s, "
           f"median TTFT {1000 * ours['ttft_median_s']:.0f} ms")
+    spec = ours.get("spec_decode")
+    if spec:
+        print(f"speculative decoding ({report.get('speculative_config')}): {spec['num_drafts']} verifications, "
+              f"{spec['num_draft_tokens']} tokens proposed, {spec['num_accepted_tokens']} accepted "
+              f"({100 * spec['acceptance_rate']:.1f}%), {spec['num_emitted_tokens']} emitted; mean acceptance "
+              f"length {spec['mean_acceptance_length']:.2f} tokens per verification")
     print(f"prefix cache: hit rate {100 * ours['prefix_hit_rate']:.1f}% of prompt tokens "
           f"(the workload's best possible: {100 * report['max_prefix_hit_rate']:.1f}%)")
     roof = report.get("roofline")
@@ -226,6 +245,7 @@ def main(args: argparse.Namespace) -> int:
                      "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
                      "flops": flops},
         "pagoda": {**ours.to_dict(), "achieved_flops": flops / ours.elapsed_s},
+        "speculative_config": engine.config.speculative_config,
         # The best any full-block prefix cache could do on this workload, next to what we measured.
         "max_prefix_hit_rate": max_prefix_hit_rate(requests, engine.config.cache.block_size),
     }
@@ -259,9 +279,10 @@ def main(args: argparse.Namespace) -> int:
 
             _progress(f"hf: {len(requests)} requests in static batches ...")
             peer = run_hf_peer(model_path, requests, dtype).to_dict()
-        elif name == "no-prefix-cache":
-            _progress(f"pagoda without prefix caching: {len(requests)} requests ...")
-            cold = LLM(args.model, **{**engine_kwargs(args), "enable_prefix_caching": False})
+        elif name in ("no-prefix-cache", "no-spec"):
+            _progress(f"pagoda with {name}: {len(requests)} requests ...")
+            off = {"enable_prefix_caching": False} if name == "no-prefix-cache" else {"speculative_config": None}
+            cold = LLM(args.model, **{**engine_kwargs(args), **off})
             peer = {**run_engine(cold, requests).to_dict()}
             peer["generated_tokens"] = peer["output_tokens"]
             del cold

@@ -116,6 +116,17 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need_new))
         return True
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens (KV of rejected speculative tokens).
+
+        Slots past num_tokens inside the kept last block are simply overwritten later: attention never
+        reads past a sequence's length, and only blocks full of accepted tokens are ever hashed."""
+        table = self.block_tables.get(seq_id)
+        keep = self.blocks_needed(num_tokens)
+        if table and len(table) > keep:
+            self.pool.decref(table[keep:])
+            del table[keep:]
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all of the parent's blocks (parallel sampling, n > 1)."""
         table = self.block_tables[parent_id]

@@ -1,6 +1,7 @@
 """Scheduler: continuous batching with one rule.
 
-Every running sequence is scheduled for the tokens it still needs (num_tokens - num_computed_tokens),
+Every running sequence is scheduled for the tokens it still needs (num_tokens - num_computed_tokens, plus
+any speculative proposals to verify),
 within a per-step token budget and a sequence cap. A decode needs one token; a prompt gets a chunk.
 That single rule yields chunked prefill and mixed prefill/decode steps, as in vLLM v1. When the pool
 runs dry, the newest running sequence is preempted (KV dropped, recomputed later). FCFS order.
@@ -59,7 +60,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Proposals to verify count like tokens (vLLM v1's num_tokens_with_spec); the budget may trim them.
+            num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
+            del seq.spec_token_ids[max(0, seq.num_computed_tokens + num_new - seq.num_tokens):]
             if num_new <= 0:  # nothing to do (should not happen: finished seqs leave at once)
                 i += 1
                 continue
@@ -115,6 +118,7 @@ class Scheduler:
         """Drop the sequence's KV; it is recomputed (prompt + output so far) when readmitted."""
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.status = SeqStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1

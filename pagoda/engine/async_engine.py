@@ -49,6 +49,10 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # running totals, in tokens
     prefix_cache_hits: int = 0
+    spec_decode_num_drafts: int = 0            # speculative decoding running totals (0 when it is off)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_emitted_tokens: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -315,6 +319,12 @@ class AsyncEngine:
             prefix_cache_queries=eng.kv.stats.queries,
             prefix_cache_hits=eng.kv.stats.hits,
         )
+        if eng.speculator is not None:
+            spec = eng.speculator.stats
+            self.stats.spec_decode_num_drafts = spec.num_drafts
+            self.stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
+            self.stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+            self.stats.spec_decode_num_emitted_tokens = spec.num_emitted_tokens
         self._hook("on_step", self.stats)
 
     def _hook(self, name: str, *args: Any) -> None:

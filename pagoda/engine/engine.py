@@ -20,6 +20,8 @@ from pagoda.model.loader import resolve_model_files
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class LLMEngine:
         num_blocks = config.cache.pool_bytes() // self.runner.kv_bytes_per_block()
         self.runner.allocate_kv_cache(num_blocks)
         # The prefix cache's hash root covers what changes the KV: the model file and the KV dtype.
-        namespace = f"{self.files.source}|{self.dtype}"
+        namespace = f"{self.files.source}|{self.dtype}|kv={config.cache.kv_cache_dtype}|q={config.quantization}"
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, namespace)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.sampler = Sampler()
@@ -58,8 +60,12 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self.stats = StepStats()
-        logger.info("KV pool: %d blocks of %d tokens (%.0f MiB), dtype %s", num_blocks, config.cache.block_size,
-                    num_blocks * self.runner.kv_bytes_per_block() / 2**20, self.dtype)
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self)
+        logger.info("KV pool: %d blocks of %d tokens (%.0f MiB), dtype %s, kv_cache_dtype %s", num_blocks,
+                    config.cache.block_size, num_blocks * self.runner.kv_bytes_per_block() / 2**20, self.dtype,
+                    config.cache.kv_cache_dtype)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -132,6 +138,9 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return outputs of every request that changed (finished ones last time)."""
+        t_step = time.perf_counter()
+        if self.speculator is not None:  # proposals first: the scheduler budgets and allocates for them
+            self.speculator.propose(self.scheduler, self.max_model_len)
         sched = self.scheduler.schedule()
         if not sched:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -142,9 +151,13 @@ class LLMEngine:
             m = seq.request.metrics
             if m is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = now
+        t_fwd = time.perf_counter()
         out = self.runner.execute(sched, self.kv.block_tables)
+        t_fwd = time.perf_counter() - t_fwd
         self._record_prompt_logprobs(sched, out.prompt_logits)
-        for seq, n in zip(sched.seqs, sched.num_scheduled):
+        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
+            if row in out.spec_logits:
+                continue  # speculative rows advance (and cache blocks) only after acceptance, below
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
         rows = self._fork_parallel_samples(sched, out.sample_rows)
@@ -161,8 +174,20 @@ class LLMEngine:
                 touched[seq.request.request_id] = seq.request
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
+        num_generated = len(rows)
+        if out.spec_logits and self.speculator is not None:
+            spec_seqs = [sched.seqs[r] for r in out.spec_logits]
+            before = sum(s.num_tokens for s in spec_seqs)
+            self.speculator.verify(spec_seqs, list(out.spec_logits.values()))
+            num_generated += sum(s.num_tokens for s in spec_seqs) - before
+            for seq in spec_seqs:
+                touched[seq.request.request_id] = seq.request
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
         self.stats.num_scheduled_tokens += sched.total_tokens
-        self.stats.num_generated_tokens += len(rows)
+        self.stats.num_generated_tokens += num_generated
+        if self.speculator is not None:
+            self.speculator.observe_step(sched.total_tokens, t_fwd, time.perf_counter() - t_step)
         results = []
         for req in touched.values():
             results.append(self.outputs.make_output(req))

@@ -40,6 +40,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache at last admission
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify this step (speculative decoding)
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse KV blocks of shared prompt prefixes across requests (default on)")
     p.add_argument("--quantization", "-q", default=None,
                    help="weight quantization: int8, int4, fp8 or gguf (default: weights as stored)")
+    p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="int4 group size (default 128; 64/32 where the input size needs it)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage dtype (default auto = the compute dtype)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
@@ -42,7 +44,8 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
-            "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config"]
+            "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
+            "quantization_group_size"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -105,10 +108,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # Subcommands living in their own modules: name -> (module, help). Each module has add_arguments(p), main(args).
 _PLUGINS = {
     "serve": ("pagoda.entrypoints.server.cli", "start the OpenAI-compatible HTTP server"),
+    "quantize": ("pagoda.quantization.cli", "write an INT4 (RTN/GPTQ/AWQ) checkpoint calibrated on a text file"),
 }
 _BENCH = {
     "throughput": ("pagoda.bench.throughput", "offline throughput benchmark (vs HF, roofline)"),
     "serve": ("pagoda.bench.serve", "load generator for any OpenAI-compatible server"),
+    "quant": ("pagoda.bench.quant_table", "weight formats side by side: bytes, perplexity, decode, throughput"),
+}
+_EVAL = {
+    "perplexity": ("pagoda.eval.perplexity", "sliding-window perplexity of a text file"),
 }
 
 
@@ -136,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in _BENCH.items():
         _add_plugin(bsub, name, module, help_text)
+    e = sub.add_parser("eval", help="quality evaluations")
+    esub = e.add_subparsers(dest="eval", required=True)
+    for name, (module, help_text) in _EVAL.items():
+        _add_plugin(esub, name, module, help_text)
     return parser
 
 

@@ -20,7 +20,7 @@ class LLM:
     `model` is a Hugging Face folder (config.json + *.safetensors + tokenizer files) or a .gguf file;
     None uses the embedded SmolLM2-135M-Instruct. Keyword arguments take vLLM's names: dtype,
     max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory, max_model_len, seed,
-    enable_prefix_caching.
+    enable_prefix_caching, kv_cache_dtype (auto | int8 | fp8_e4m3 | fp8_e5m2: 8-bit KV with per-token scales).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:

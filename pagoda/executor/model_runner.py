@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.scheduler import SchedulerOutput
+from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles
 from pagoda.model.registry import model_class
+from pagoda.quantization.loading import load_quantized_model
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +25,8 @@ class ModelOutput:
     sample_rows: list[int]                # index into SchedulerOutput.seqs for each logits row
     # Per scheduled index: fp32 [chunk_len, V] logits over prompt positions, when prompt logprobs are due.
     prompt_logits: dict[int, torch.Tensor]
+    # Speculative verification: per scheduled index, fp32 [1 + k, V] logits at the last token and its k proposals.
+    spec_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -41,37 +45,47 @@ class ModelRunner:
             if hasattr(m, "cos") and hasattr(m, "sin"):
                 fresh = type(m)(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
                 m.cos, m.sin = fresh.cos.to(self.device), fresh.sin.to(self.device)
-        model.load_weights(files.iter_weights(dtype))
-        if args.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+        # Weights as stored, or quantized by config.quantization (ties lm_head to the embedding).
+        load_quantized_model(model, files, dtype, config.quantization, config.quantization_group_size)
         model.prepare()
         self.model = model.eval()
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] = []  # 8-bit kv_cache_dtype only
 
     # ---- KV pool -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
+        """K and V of every layer for one block, 8-bit formats' scales included (the pool size stays honest)."""
         a = self.args
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_layers * a.num_kv_heads * self.block_size * a.head_dim * elem
+        fmt = kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype)
+        return 2 * a.num_layers * a.num_kv_heads * self.block_size * fmt.bytes_per_row(a.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One preallocated pool per layer: [num_blocks, Hkv, block_size, D] for K and for V."""
+        """One preallocated pool per layer: [num_blocks, Hkv, block_size, D] for K and for V.
+
+        8-bit kv_cache_dtype adds fp32 scales [num_blocks, Hkv, block_size] per layer for K and V."""
         a = self.args
+        fmt = kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype)
         shape = (num_blocks, a.num_kv_heads, self.block_size, a.head_dim)
         self.kv_caches = []
+        self.kv_scales = []
         for attn in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            k = torch.zeros(shape, dtype=fmt.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=fmt.dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
+            if fmt.quantized:
+                ks = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device)
+                vs = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device)
+                attn.k_scale, attn.v_scale = ks, vs
+                self.kv_scales.append((ks, vs))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.kv_caches:
+        for k, v in self.kv_caches + self.kv_scales:  # an 8-bit pool's scales travel with their blocks
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -88,6 +102,7 @@ class ModelRunner:
         sample_idx: list[int] = []
         sample_rows: list[int] = []
         prompt_spans: dict[int, tuple[int, int]] = {}
+        spec_spans: dict[int, tuple[int, int]] = {}
         tables = []
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
             start = seq.num_computed_tokens
@@ -95,6 +110,11 @@ class ModelRunner:
             table = block_tables[seq.seq_id]
             tables.append(table)
             input_ids.extend(seq.token_ids[start:end])
+            num_spec = end - seq.num_tokens  # > 0: verify the last token and this many proposals
+            if num_spec > 0:
+                input_ids.extend(seq.spec_token_ids[:num_spec])
+                first = query_start[-1] + seq.num_tokens - 1 - start
+                spec_spans[row] = (first, num_spec + 1)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             span = seq.request.prompt_logprobs_span(start, end)
@@ -125,5 +145,43 @@ class ModelRunner:
             logits = torch.empty(0, self.args.vocab_size)
         prompt_logits = {row: self.model.compute_logits(hidden[s:s + length])
                          for row, (s, length) in prompt_spans.items() if length > 0}
+        spec_logits: dict[int, torch.Tensor] = {}
+        if spec_spans:
+            spec = self.model.compute_logits(torch.cat([hidden[s:s + length] for s, length in spec_spans.values()]))
+            spec_logits = dict(zip(spec_spans, spec.cpu().split([length for _, length in spec_spans.values()])))
         return ModelOutput(sample_logits=logits.cpu(), sample_rows=sample_rows,
-                           prompt_logits={r: t.cpu() for r, t in prompt_logits.items()})
+                           prompt_logits={r: t.cpu() for r, t in prompt_logits.items()}, spec_logits=spec_logits)
+
+    @torch.inference_mode()
+    def forward_rows(self, rows: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> torch.Tensor:
+        """Run (tokens, first position, block table) rows, writing their KV; fp32 logits at each row's last token.
+
+        The drafting path of speculative decoding: `num_layers` stops after the first L layers (early exit)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        for tokens, start, table in rows:
+            end = start + len(tokens)
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + len(tokens))
+            seq_lens.append(end)
+        width = max(len(t) for _, _, t in rows)
+        table_tensor = torch.zeros(len(rows), width, dtype=torch.int32)
+        for i, (_, _, t) in enumerate(rows):
+            table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=table_tensor.to(dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        )
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
+                            num_layers=num_layers)
+        last = torch.tensor(query_start[1:], device=dev) - 1
+        return self.model.compute_logits(hidden[last]).cpu()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.kv_quant import quantize_kv
 
 # The elementwise C++ loops win where op count dominates (decode, a few rows); on large prefill
 # chunks torch's vectorized kernels are faster (measured: silu_and_mul 3.5 ms vs ~0.4 ms at 512x1536 bf16,
@@ -62,15 +63,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Store token t's k[t], v[t] ([Hkv, D]) at cache slot slot_mapping[t] = block * block_size + offset."""
-    if _use_kernel(k) and k.dtype == k_cache.dtype and k_cache.is_contiguous() and k.stride(-1) == 1:
-        torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping)
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """Store token t's k[t], v[t] ([Hkv, D]) at cache slot slot_mapping[t] = block * block_size + offset.
+
+    With scales ([num_blocks, Hkv, block_size] fp32) the cache is 8-bit (pagoda/kernels/kv_quant.py):
+    each (token, head) row is quantized with its own scale on the way in.
+    """
+    quant = k_scale is not None
+    if (_use_kernel(k) and (quant or k.dtype == k_cache.dtype) and k_cache.is_contiguous()
+            and k.stride(-1) == 1 and v.stride(-1) == 1):
+        if quant:
+            torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        else:
+            torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping)
         return
     bs = k_cache.shape[2]
     slots = slot_mapping.long()
     blocks = torch.div(slots, bs, rounding_mode="floor")
     offsets = slots - blocks * bs
     # Two advanced indices around a slice: the indexed view is [T, Hkv, D], matching k.
+    if quant:
+        assert v_scale is not None
+        kq, ks = quantize_kv(k, k_cache.dtype)
+        vq, vs = quantize_kv(v, v_cache.dtype)
+        k_cache[blocks, :, offsets] = kq
+        v_cache[blocks, :, offsets] = vq
+        k_scale[blocks, :, offsets] = ks
+        v_scale[blocks, :, offsets] = vs
+        return
     k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)

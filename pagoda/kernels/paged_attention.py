@@ -6,6 +6,8 @@ version, when the kernel cannot be built or `PAGODA_DISABLE_CPP_KERNELS=1`.
 
 Cache layout: ``[num_blocks, Hkv, block_size, D]``; a token at position ``j`` of
 sequence ``b`` lives at ``cache[block_tables[b, j // block_size], :, j % block_size]``.
+An 8-bit cache (kv_cache_dtype int8/fp8) comes with fp32 scales ``[num_blocks, Hkv, block_size]``
+and is dequantized row by row inside the kernel (pagoda/kernels/kv_quant.py).
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ logger = logging.getLogger(__name__)
 _warned = False
 
 
-def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, quantized: bool) -> bool:
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.dtype == q.dtype and q.shape[-1] % 16 == 0 and k_cache.stride(-1) == 1)
+            and (quantized or k_cache.dtype == q.dtype) and q.shape[-1] % 16 == 0 and k_cache.stride(-1) == 1)
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -40,13 +42,21 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of flat queries ``q [T, Hq, D]`` over the paged cache.
 
     Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and
     sees keys ``0..`` that position. Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit.
     """
-    if kernel_available() and _kernel_supports(q, k_cache):
+    quantized = k_scale is not None
+    if kernel_available() and _kernel_supports(q, k_cache, quantized):
+        if quantized:
+            return torch.ops.pagoda.paged_attention(
+                q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),
+                _i32(seq_lens), float(scale), k_scale, v_scale)
         return torch.ops.pagoda.paged_attention(
             q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),
             _i32(seq_lens), float(scale))
@@ -55,7 +65,8 @@ def paged_attention(
         _warned = True
         logger.warning("paged_attention: C++ kernel not used for dtype=%s D=%d; using the torch reference",
                        q.dtype, q.shape[-1])
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                     k_scale, v_scale)
 
 
 def paged_attention_reference(
@@ -66,6 +77,8 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged attention: per sequence, gather its blocks and apply a causal mask."""
     T, Hq, D = q.shape
@@ -83,6 +96,9 @@ def paged_attention_reference(
         # [n, Hkv, bs, D] -> [Hkv, n*bs, D] -> first seq_len keys, one copy per query head.
         k = k_cache[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :seq_len].float()
         v = v_cache[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :seq_len].float()
+        if k_scale is not None and v_scale is not None:  # 8-bit cache: one scale per (head, token)
+            k = k * k_scale[blocks].transpose(0, 1).reshape(Hkv, -1)[:, :seq_len].unsqueeze(-1)
+            v = v * v_scale[blocks].transpose(0, 1).reshape(Hkv, -1)[:, :seq_len].unsqueeze(-1)
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)
         qb = q[q0:q1].transpose(0, 1).float()  # [Hq, q_len, D]

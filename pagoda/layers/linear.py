@@ -1,20 +1,41 @@
-"""Linear layer whose matmul goes through pagoda.kernels.linear (the seam quantized layers plug into)."""
+"""Linear layer whose matmul goes through pagoda.kernels (the seam quantized layers plug into)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from pagoda.kernels.linear import linear, small_m_supported
+from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, quant_linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear with a decode-friendly kernel; call `prepare()` once weights are final."""
+    """nn.Linear with a decode-friendly kernel; call `prepare()` once weights are final.
+
+    `set_quantized()` swaps the float weight for a PackedWeight (pagoda.quantization); forward then
+    runs pagoda.kernels.quant_linear."""
 
     small_m_ok: bool = False
+    qweight: PackedWeight | None = None
+    quant_cpp_ok: bool = False
+
+    def set_quantized(self, pw: PackedWeight) -> None:
+        if (pw.out_features, pw.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {(pw.out_features, pw.in_features)} != layer "
+                             f"{(self.out_features, self.in_features)}")
+        self.qweight = pw
+        # Drop the float weight (a tied lm_head only drops its reference to the embedding).
+        self.register_parameter("weight", None)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
 
     def prepare(self) -> None:
+        if self.qweight is not None:
+            self.quant_cpp_ok = cpp_supported(self.qweight)
+            return
         w = self.weight
         self.small_m_ok = w.device.type == "cpu" and w.is_contiguous() and small_m_supported(w.dtype, w.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant_linear(x, self.qweight, self.bias, self.quant_cpp_ok)
         return linear(x, self.weight, self.bias, self.small_m_ok)

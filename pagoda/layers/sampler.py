@@ -86,26 +86,34 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return logits
 
 
+def target_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution each row samples from: (greedy token ids, probs [B, V] or None when all rows are greedy).
+
+    Penalties -> min_tokens bans -> temperature -> top-k/top-p/min-p. Edits `logits` in place (the bans).
+    Speculative verification calls this too, so p there is exactly what the sampler draws from."""
+    if batch.any_penalty:
+        logits = apply_penalties(logits, batch)
+    for i, banned in enumerate(batch.banned_token_ids):
+        if banned:
+            logits[i, banned] = _NEG_INF
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_ids, None
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params],
+                         dtype=logits.dtype).unsqueeze(1)
+    return greedy_ids, apply_top_k_top_p_min_p(logits / temps, batch).softmax(dim=-1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: fp32 [B, V] -> one token per row."""
         logits = logits.float()
         # Logprobs report the model's raw distribution, before any processing (vLLM v1's default).
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
-        if batch.any_penalty:
-            logits = apply_penalties(logits, batch)
-        for i, banned in enumerate(batch.banned_token_ids):
-            if banned:
-                logits[i, banned] = _NEG_INF
-
-        greedy_ids = logits.argmax(dim=-1)
-        if batch.all_greedy:
+        greedy_ids, probs = target_distribution(logits, batch)
+        if probs is None:
             token_ids = greedy_ids
         else:
-            temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params],
-                                 dtype=logits.dtype).unsqueeze(1)
-            scaled = apply_top_k_top_p_min_p(logits / temps, batch)
-            probs = scaled.softmax(dim=-1)
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p; seeded rows
             # draw their own noise so they reproduce whatever else shares the batch.
             noise = torch.empty_like(probs).exponential_()
@@ -115,15 +123,19 @@ class Sampler:
             sampled = (probs / noise).argmax(dim=-1)
             is_greedy = torch.tensor([p.greedy for p in batch.params])
             token_ids = torch.where(is_greedy, greedy_ids, sampled)
+        return sampler_output(token_ids, raw_logprobs, batch.max_logprobs)
 
-        out = SamplerOutput(token_ids=token_ids.tolist())
-        if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))
-            out.sampled_logprobs = chosen.squeeze(1).tolist()
-            out.sampled_ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
-            k = batch.max_logprobs
-            if k > 0:
-                top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
-                out.topk_ids = top_ids.tolist()
-                out.topk_logprobs = top_vals.tolist()
-        return out
+
+def sampler_output(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, max_logprobs: int) -> SamplerOutput:
+    """Chosen tokens plus, when asked, their raw logprobs, ranks and the top-k alternatives."""
+    out = SamplerOutput(token_ids=token_ids.tolist())
+    if raw_logprobs is not None:
+        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))
+        out.sampled_logprobs = chosen.squeeze(1).tolist()
+        out.sampled_ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+        k = max_logprobs
+        if k > 0:
+            top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+            out.topk_ids = top_ids.tolist()
+            out.topk_logprobs = top_vals.tolist()
+    return out

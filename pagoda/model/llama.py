@@ -84,11 +84,12 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]. `num_layers` exits early (self-speculative drafts)."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x, residual = layer(x, residual, positions, meta)
         return self.norm(x, residual)
 
@@ -102,8 +103,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up into their packed parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], provided: Iterable[str] = ()) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into their packed parameters.
+        `provided`: HF names loaded another way (quantized weights, pagoda.quantization.loading)."""
         params = dict(self.named_parameters())
         a = self.args
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -132,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
             dst.copy_(tensor)
             loaded.add(name)
         expected = _expected_names(a)
-        missing = expected - loaded
+        missing = expected - loaded - {n.removeprefix("model.") for n in provided}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
 

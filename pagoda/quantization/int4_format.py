@@ -38,6 +38,15 @@ def check_group_size(k: int, group_size: int) -> None:
         raise ValueError(f"int4 group_size {group_size} must be even and divide the input size {k}")
 
 
+def effective_group_size(k: int, requested: int = 128) -> int:
+    """The requested group size, or the largest standard one below it that divides K (SmolLM2's
+    hidden size 576 is not a multiple of 128, so its q/k/v and gate/up rows use groups of 64)."""
+    for g in (requested, *(g for g in sorted(GROUP_SIZES, reverse=True) if g < requested)):
+        if k % g == 0:
+            return g
+    raise ValueError(f"no int4 group size <= {requested} divides the input size {k}")
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] in 0..15 -> [N, K // 2], low nibble = even column."""
     c = codes.to(torch.uint8)

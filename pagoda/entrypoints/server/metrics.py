@@ -51,6 +51,12 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("pagoda:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("pagoda:prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.spec_drafts = counter("pagoda:spec_decode_num_drafts",
+                                   "Speculative verifications of a request with at least one proposal")
+        self.spec_draft_tokens = counter("pagoda:spec_decode_num_draft_tokens", "Speculative tokens proposed")
+        self.spec_accepted_tokens = counter("pagoda:spec_decode_num_accepted_tokens", "Speculative tokens accepted")
+        self.spec_emitted_tokens = counter("pagoda:spec_decode_num_emitted_tokens",
+                                           "Tokens emitted by speculative verifications (accepted + the target's)")
         self.request_success = counter("pagoda:request_success", "Finished requests by finish reason",
                                        ["finished_reason"])
         self.ttft = hist("pagoda:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
@@ -72,7 +78,8 @@ class ServerMetrics:
         # Touch every unlabelled-by-reason series so a fresh server already exposes them at 0.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                        self.num_free_blocks, self.prompt_tokens, self.generation_tokens, self.num_preemptions,
-                       self.prefix_cache_queries, self.prefix_cache_hits,
+                       self.prefix_cache_queries, self.prefix_cache_hits, self.spec_drafts, self.spec_draft_tokens,
+                       self.spec_accepted_tokens, self.spec_emitted_tokens,
                        self.ttft, self.tpot, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(model_name)
@@ -87,7 +94,11 @@ class ServerMetrics:
         # The engine keeps running totals; counters want increments.
         for name, counter_, total in (("preemptions", self.num_preemptions, stats.num_preemptions),
                                       ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
-                                      ("hits", self.prefix_cache_hits, stats.prefix_cache_hits)):
+                                      ("hits", self.prefix_cache_hits, stats.prefix_cache_hits),
+                                      ("drafts", self.spec_drafts, stats.spec_decode_num_drafts),
+                                      ("draft_tokens", self.spec_draft_tokens, stats.spec_decode_num_draft_tokens),
+                                      ("accepted", self.spec_accepted_tokens, stats.spec_decode_num_accepted_tokens),
+                                      ("emitted", self.spec_emitted_tokens, stats.spec_decode_num_emitted_tokens)):
             delta = total - self._last_totals.get(name, 0)
             if delta > 0:
                 counter_.labels(m).inc(delta)

@@ -9,8 +9,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -129,16 +132,70 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   return out;
 }
 
+// Quantize one row of D values into an 8-bit cache row with its own scale = amax / qmax
+// (pagoda/kernels/kv_quant.py holds the torch twin; both divide in fp32, round to nearest even
+// and clamp to +-qmax, so they store the same bytes).
+template <typename S>
+void quantize_row(const S* x, int64_t D, at::ScalarType fmt, uint8_t* dst, float* scale_out) {
+  const float qmax = fmt == at::kChar ? 127.f : fmt == at::kFloat8_e4m3fn ? 448.f : 57344.f;
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(ld(x, d)));
+  const float scale = amax / qmax;
+  const float safe = scale > 0.f ? scale : 1.f;  // an all-zero row stores zeros
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = std::min(std::max(ld(x, d) / safe, -qmax), qmax);
+    if (fmt == at::kChar) {
+      dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
+    } else if (fmt == at::kFloat8_e4m3fn) {
+      dst[d] = c10::Float8_e4m3fn(y).x;
+    } else {
+      dst[d] = c10::Float8_e5m2(y).x;
+    }
+  }
+  *scale_out = scale;
+}
+
 // Write each token's K and V (read from the fused qkv row) into its cache slot.
 // k_cache/v_cache: [num_blocks, Hkv, block_size, D]; slot = block * block_size + offset.
+// With k_scale/v_scale ([num_blocks, Hkv, block_size] fp32) the caches are 8-bit (int8 or fp8)
+// and each (token, head) row is quantized on the way in.
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                  const at::Tensor& slot_mapping) {
+                  const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& k_scale,
+                  const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "write_kv: k, v must be [T, Hkv, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: caches must be contiguous");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "write_kv: dtype mismatch");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "write_kv: slots int64");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "write_kv: k and v dtypes differ");
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2), bs = k_cache.size(2);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  if (k_scale.has_value()) {
+    TORCH_CHECK(v_scale.has_value(), "write_kv: k_scale without v_scale");
+    const at::ScalarType fmt = k_cache.scalar_type();
+    TORCH_CHECK(fmt == at::kChar || fmt == at::kFloat8_e4m3fn || fmt == at::kFloat8_e5m2,
+                "write_kv: scales need an int8/fp8 cache, got ", fmt);
+    TORCH_CHECK(v_cache.scalar_type() == fmt, "write_kv: k/v cache dtypes differ");
+    for (const at::Tensor* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == k_cache.numel() / D,
+                  "write_kv: scales must be fp32 [num_blocks, Hkv, block_size]");
+    uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+    uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+    float* ks = k_scale->data_ptr<float>();
+    float* vs = v_scale->data_ptr<float>();
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "write_kv_quant", [&] {
+      const scalar_t* kp = k.data_ptr<scalar_t>();
+      const scalar_t* vp = v.data_ptr<scalar_t>();
+      at::parallel_for(0, T * H, kGrain, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = i / H, h = i % H;
+          const int64_t row = (slots[t] / bs * H + h) * bs + slots[t] % bs;
+          quantize_row(kp + t * k.stride(0) + h * k.stride(1), D, fmt, kc + row * D, ks + row);
+          quantize_row(vp + t * v.stride(0) + h * v.stride(1), D, fmt, vc + row * D, vs + row);
+        }
+      });
+    });
+    return;
+  }
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "write_kv: dtype mismatch");
   const size_t row_bytes = D * k.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
@@ -162,7 +219,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
         "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {

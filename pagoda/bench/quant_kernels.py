@@ -1,0 +1,79 @@
+"""Time quantized-linear candidates per shape and M: `python -m pagoda.bench.quant_kernels [--m 1,8,32]`.
+
+Rows: float baselines (F.linear fp32 / bf16), Pagoda's C++ streaming kernel per format
+(cpu/quant_linear.cpp), torch's packed ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu with
+bf16 activations) and dequantize-then-F.linear in bf16. Prints microseconds per call.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.quant_linear import dequant_linear, quant_linear
+from pagoda.quantization.methods import quantize_weight
+
+# SmolLM2-135M's layers: fused qkv, o_proj, fused gate|up, down_proj, lm_head (tied embedding).
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
+
+
+def _time(fn: Callable[[], object], min_s: float = 0.2) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < min_s:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
+    w = torch.randn(n, k) / k**0.5
+    x = torch.randn(m, k)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    p4, p8, pf = quantize_weight("int4", w, 128), quantize_weight("int8", w), quantize_weight("fp8", w)
+    out: dict[str, Callable[[], object]] = {
+        "fp32 F.linear": lambda: F.linear(x, w),
+        "bf16 F.linear": lambda: F.linear(xb, wb),
+        "int4 pagoda": lambda: quant_linear(xb, p4, None, use_cpp=True),
+        "int8 pagoda": lambda: quant_linear(xb, p8, None, use_cpp=True),
+        "fp8 pagoda": lambda: quant_linear(xb, pf, None, use_cpp=True),
+        "int4 dequant+bf16": lambda: dequant_linear(xb, p4, None),
+    }
+    q8 = p8.data
+    s8 = p8.scales.view(-1).bfloat16()
+    out["int8 aten int8pack"] = lambda: torch.ops.aten._weight_int8pack_mm(xb, q8, s8)
+    g = p4.group_size
+    codes = p4.codes().to(torch.int32)
+    # aten's rule: w = (q - 8) * scale + zero  ->  zero = offset + 8 * scale.
+    sz = torch.stack((p4.scales, p4.offsets + 8 * p4.scales), dim=-1).transpose(0, 1).contiguous().bfloat16()
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        out["int4 aten int4pack"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz)
+    except RuntimeError:
+        pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--m", default="1,4,8,32,128,512")
+    ap.add_argument("--shapes", default=None, help="K:N,K:N (default: SmolLM2-135M's)")
+    args = ap.parse_args(argv)
+    if not kernel_available():
+        raise SystemExit("pagoda's C++ kernels are unavailable on this machine")
+    torch.manual_seed(0)
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    for k, n in shapes:
+        for m in (int(v) for v in args.m.split(",")):
+            row = {name: _time(fn) for name, fn in candidates(k, n, m).items()}
+            best = min(row, key=row.get)
+            cells = "  ".join(f"{name}={us:8.1f}" for name, us in row.items())
+            print(f"K={k:5d} N={n:6d} M={m:4d}  {cells}  best: {best}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Quality evaluations (`pagoda eval ...`)."""

@@ -1,0 +1,293 @@
+// y = x @ dequant(w)^T (+ bias) for quantized weights, streaming the packed weight once per 8 rows of x.
+//
+// Decode is bound by weight bytes read per token, so the weight stays packed in memory and is
+// unpacked in registers: 32 weights at a time become two fp32 vectors that are FMA'd against
+// every activation row (fp32 accumulation, no activation quantization, so results match the
+// float reference to rounding). Formats, all with per-(row, group) fp32 scale s and offset o so
+// that w = code * s + o (o = 0 for the symmetric ones; o = -s * zero for INT4):
+//   int4: codes 0..15 packed two per byte [N, K/2], low nibble = even k (pagoda int4_format)
+//   int8: int8 codes [N, K] (per-channel: group = K; GGUF Q8_0: group = 32)
+//   fp8:  float8 e4m3fn bytes [N, K], per-channel scale
+// Sum over a group: s * dot(code, x) + o * sum(x), so offsets cost one scalar FMA per group.
+// Larger M runs in chunks of 8 rows over a block of weight rows that stays in L1/L2.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGODA_QUANT_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kChunkM = 8;
+enum Fmt : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
+
+#if defined(PAGODA_QUANT_AVX512)
+// Decode 32 weights starting at weight column k (k % 32 == 0) of one row into a (first 16), b (last 16).
+// INT4 yields even columns in a, odd in b: x is pre-split to match (see prepare_x).
+template <int F>
+inline void decode32(const uint8_t* row, int64_t k, __m512& a, __m512& b) {
+  if constexpr (F == kInt4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else if constexpr (F == kInt8) {
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))));
+  } else {
+    // e4m3fn -> fp32: magnitude bits shifted into an fp32 exponent/mantissa give value * 2^-120
+    // (subnormals included, as fp32 denormals); one multiply restores the scale.
+    const __m512 two120 = _mm512_set1_ps(1.329228e36f);  // 2^120
+    auto one = [&](const uint8_t* p) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x7F)), 20);
+      const __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+      return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(mag), two120)), sgn));
+    };
+    a = one(row + k);
+    b = one(row + k + 16);
+  }
+}
+
+// Output rows [n0, n1) for M activation rows. xd: prepared x [M, K]; xs: group sums [M, G].
+template <int F, int M>
+void rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, const float* bias,
+          const float* xd, const float* xs, float* y, int64_t ldy, int64_t K, int64_t G, int64_t gs,
+          int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* sr = scales + n * G;
+    __m512 acc[M];
+    float off[M];
+    for (int m = 0; m < M; ++m) { acc[m] = _mm512_setzero_ps(); off[m] = 0.f; }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 gacc[M];
+      for (int m = 0; m < M; ++m) gacc[m] = _mm512_setzero_ps();
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+        __m512 a, b;
+        decode32<F>(wr, k, a, b);
+        for (int m = 0; m < M; ++m) {
+          gacc[m] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xd + m * K + k), gacc[m]);
+          gacc[m] = _mm512_fmadd_ps(b, _mm512_loadu_ps(xd + m * K + k + 16), gacc[m]);
+        }
+      }
+      const __m512 s = _mm512_set1_ps(sr[g]);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(gacc[m], s, acc[m]);
+      if (offsets) {
+        const float o = offsets[n * G + g];
+        for (int m = 0; m < M; ++m) off[m] += o * xs[m * G + g];
+      }
+    }
+    const float bv = bias ? bias[n] : 0.f;
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) + off[m] + bv;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// INT4 with bf16 activations: codes become bf16 through a 16-entry table (vpermw) and are dotted
+// with AVX512-BF16 (32 products per instruction, fp32 accumulation): half the instructions of the
+// fp32 path per weight. xb holds x as bf16 with each 64-column chunk split into [even | odd] columns,
+// matching the low/high nibbles of its 32 bytes. For 32-wide groups a chunk spans two groups: fp32
+// lanes 0..7 of the dot products belong to the first, 8..15 to the second.
+template <int M>
+void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets,
+                    const float* bias, const uint16_t* xb, const float* xs, float* y, int64_t ldy, int64_t K,
+                    int64_t G, int64_t gs, int64_t n0, int64_t n1) {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) table[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
+  const __m512i lut = _mm512_load_si512(table);
+  const __m512i nib = _mm512_set1_epi16(0xF);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* sr = scales + n * G;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    auto chunk = [&](int64_t k, __m512 (&gacc)[M]) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k / 2)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, nib), lut);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+      for (int m = 0; m < M; ++m) {
+        gacc[m] = _mm512_dpbf16_ps(gacc[m], lo, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
+        gacc[m] = _mm512_dpbf16_ps(gacc[m], hi, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32));
+      }
+    };
+    if (gs == 32) {
+      for (int64_t k = 0; k < K; k += 64) {
+        __m512 gacc[M];
+        for (int m = 0; m < M; ++m) gacc[m] = _mm512_setzero_ps();
+        chunk(k, gacc);
+        const int64_t g = k / 32;
+        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sr[g]), _mm256_set1_ps(sr[g + 1]), 1);
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(gacc[m], s, acc[m]);
+      }
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 gacc[M];
+        for (int m = 0; m < M; ++m) gacc[m] = _mm512_setzero_ps();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) chunk(k, gacc);
+        const __m512 s = _mm512_set1_ps(sr[g]);
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(gacc[m], s, acc[m]);
+      }
+    }
+    if (offsets) {  // sum_g offset[n, g] * sum(x over g), 16 groups per vector, into the same accumulators
+      for (int64_t g0 = 0; g0 < G; g0 += 16) {
+        const __mmask16 mk = G - g0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (G - g0)) - 1);
+        const __m512 ov = _mm512_maskz_loadu_ps(mk, offsets + n * G + g0);
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(mk, xs + m * G + g0), acc[m]);
+      }
+    }
+    const float bv = bias ? bias[n] : 0.f;
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) + bv;
+  }
+}
+#endif
+
+template <int F, typename Fn>
+void dispatch_m(int64_t M, Fn&& fn) {
+  switch (M) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// Blocks of weight rows in parallel; within a block every 8-row chunk of x reuses the cached rows.
+template <typename Rows>
+void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
+  // Small M: ~64 weight rows per task keeps both threads streaming. Large M: blocks of 16 rows are
+  // revisited by every 8-row chunk of x while they sit in cache.
+  const int64_t grain = M <= kChunkM ? 64 : 16;
+  at::parallel_for(0, N, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t n0 = b0; n0 < b1; n0 += grain) {
+      const int64_t n1 = std::min(b1, n0 + grain);
+      for (int64_t m0 = 0; m0 < M; m0 += kChunkM) rows_fn(m0, std::min(kChunkM, M - m0), n0, n1);
+    }
+  });
+}
+
+template <int F>
+void run(const float* xd, const float* xs, const uint8_t* w, int64_t row_bytes, const float* sp, const float* op,
+         const float* bp, float* yp, int64_t M, int64_t N, int64_t K, int64_t G, int64_t gs) {
+  run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
+    dispatch_m<F>(mc, [&](auto c) {
+      rows<F, decltype(c)::value>(w, row_bytes, sp, op, bp, xd + m0 * K, xs + m0 * G, yp + m0 * N, N, K, G, gs, n0, n1);
+    });
+  });
+}
+#endif
+
+bool quant_linear_supported(int64_t K, int64_t group_size) {
+#if defined(PAGODA_QUANT_AVX512)
+  return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;
+#else
+  (void)K;
+  (void)group_size;
+  return false;
+#endif
+}
+
+// x: [M, K] fp32 or bf16; y: [M, N] in x's dtype (fp32 accumulation). fmt: 0 int4, 1 int8, 2 fp8 (see header). scales/offsets: fp32 [N, K / group_size].
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                        int64_t fmt, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar),
+              "quant_linear: x [M, K], w uint8/int8 [N, bytes]");
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "quant_linear: unknown format");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(quant_linear_supported(K, group_size), "quant_linear: unsupported K/group size");
+  const int64_t row_bytes = fmt == kInt4 ? K / 2 : K;
+  const int64_t G = K / group_size;
+  TORCH_CHECK(w.size(1) == row_bytes && w.is_contiguous(), "quant_linear: weight shape");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
+              "quant_linear: scales fp32 [N, G]");
+  if (offsets.has_value())
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->numel() == N * G,
+                "quant_linear: offsets fp32 [N, G]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "quant_linear: bias fp32 [N]");
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(PAGODA_QUANT_AVX512)
+#if defined(__AVX512BF16__)
+  if (fmt == kInt4 && x.scalar_type() == at::kBFloat16 && K % 64 == 0) {
+    const at::Tensor xc = x.contiguous();
+    const auto* src = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+    std::vector<uint16_t> xb(M * K);
+    std::vector<float> xs(M * G, 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* r = src + m * K;
+      uint16_t* d = xb.data() + m * K;
+      for (int64_t k = 0; k < K; k += 64)
+        for (int j = 0; j < 32; ++j) { d[k + j] = r[k + 2 * j]; d[k + 32 + j] = r[k + 2 * j + 1]; }
+      if (offsets.has_value())
+        for (int64_t k = 0; k < K; ++k)
+          xs[m * G + k / group_size] += static_cast<float>(c10::BFloat16(r[k], c10::BFloat16::from_bits()));
+    }
+    const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+    const float* sp = scales.data_ptr<float>();
+    const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
+      dispatch_m<kInt4>(mc, [&](auto c) {
+        rows_int4_bf16<decltype(c)::value>(wp, row_bytes, sp, op, bp, xb.data() + m0 * K, xs.data() + m0 * G,
+                                           yp + m0 * N, N, K, G, group_size, n0, n1);
+      });
+    });
+    return y.to(at::kBFloat16);
+  }
+#endif
+  // Prepared activations: fp32, and for INT4 each 32-column chunk split into even then odd columns
+  // to line up with the low/high nibbles. xs: per-group sums for the offset term.
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<float> xd(M * K), xs(M * G, 0.f);
+  const float* src = xf.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = src + m * K;
+    float* d = xd.data() + m * K;
+    if (fmt == kInt4) {
+      for (int64_t k = 0; k < K; k += 32)
+        for (int j = 0; j < 16; ++j) { d[k + j] = r[k + 2 * j]; d[k + 16 + j] = r[k + 2 * j + 1]; }
+    } else {
+      std::memcpy(d, r, K * sizeof(float));
+    }
+    if (offsets.has_value())
+      for (int64_t k = 0; k < K; ++k) xs[m * G + k / group_size] += r[k];
+  }
+  const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  if (fmt == kInt4) run<kInt4>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
+  else if (fmt == kInt8) run<kInt8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
+  else run<kFp8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
+#endif
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? offsets, Tensor? bias, int fmt, int group_size) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("quant_linear", &quant_linear); }

@@ -1,0 +1,108 @@
+"""Quantized linear op: one interface over packed INT4 / INT8 / FP8 weights, dispatched per M.
+
+Every format is stored as `PackedWeight`: codes plus a per-(row, group) fp32 scale and optional
+fp32 offset, w = code * scale + offset (INT4's zero point z becomes offset = -scale * z; GGUF Q4_1's
+min m is the offset directly). The CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
+which reads each packed weight once per 8 activation rows and accumulates in fp32; shapes it
+cannot take (K or group not a multiple of 32), a missing build, or another device use the torch
+fallback (dequantize, then F.linear). A CUDA path would plug in as another branch of
+`quant_linear`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels.cpu_extension import kernel_available
+
+FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
+
+
+@dataclass
+class PackedWeight:
+    fmt: str                     # "int4" | "int8" | "fp8"
+    data: torch.Tensor           # int4: uint8 [N, K // 2] (low nibble = even k); int8: int8 [N, K]; fp8: uint8 [N, K]
+    scales: torch.Tensor         # fp32 [N, K // group_size]
+    offsets: torch.Tensor | None  # fp32 [N, K // group_size] or None (symmetric)
+    group_size: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.offsets) if t is not None)
+
+    def codes(self) -> torch.Tensor:
+        """Per-weight codes as fp32 [N, K] (FP8: the e4m3 values themselves)."""
+        if self.fmt == "int4":
+            d = self.data
+            return torch.stack((d & 0xF, d >> 4), dim=-1).reshape(d.shape[0], -1).float()
+        if self.fmt == "fp8":
+            return self.data.view(torch.float8_e4m3fn).float()
+        return self.data.float()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The effective float weight [N, K] every path computes with (the reference)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        w = self.codes().view(n, k // g, g) * self.scales.unsqueeze(-1)
+        if self.offsets is not None:
+            w = w + self.offsets.unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> "PackedWeight":
+        """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute)."""
+        return PackedWeight(self.fmt, self.data[index].contiguous(), self.scales[index].contiguous(),
+                            None if self.offsets is None else self.offsets[index].contiguous(),
+                            self.group_size, self.in_features)
+
+    @staticmethod
+    def cat(parts: list["PackedWeight"]) -> "PackedWeight":
+        """Stack along output rows (fused q|k|v and gate|up); all parts share format and groups."""
+        p0 = parts[0]
+        if any((p.fmt, p.group_size, p.in_features) != (p0.fmt, p0.group_size, p0.in_features) for p in parts):
+            raise ValueError("cannot fuse quantized weights with different formats or group sizes")
+        has_off = [p.offsets is not None for p in parts]
+        offsets = None
+        if any(has_off):
+            offsets = torch.cat([p.offsets if p.offsets is not None else torch.zeros_like(p.scales) for p in parts])
+        return PackedWeight(p0.fmt, torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]),
+                            offsets, p0.group_size, p0.in_features)
+
+
+def cpp_supported(pw: PackedWeight) -> bool:
+    k, g = pw.in_features, pw.group_size
+    return k % 32 == 0 and g % 32 == 0 and k % g == 0 and pw.data.device.type == "cpu" and kernel_available() \
+        and hasattr(torch.ops.pagoda, "quant_linear")
+
+
+# Above this many rows the torch fallback (dequantize to the activation dtype, then oneDNN) wins; set
+# from `python -m pagoda.bench.quant_kernels` on this machine (see docs/architecture.md).
+CPP_MAX_M = 1 << 30
+
+
+def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, use_cpp: bool | None = None,
+                 max_cpp_m: int | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(pw)^T (+ bias), in x's dtype. `use_cpp`: cpp_supported(pw), precomputed per layer."""
+    if use_cpp is None:
+        use_cpp = cpp_supported(pw)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    if use_cpp and x2.device.type == "cpu" and 0 < m <= (CPP_MAX_M if max_cpp_m is None else max_cpp_m):
+        b = None if bias is None else bias.float().contiguous()
+        # Returns x's dtype (fp32 accumulation, one rounding on output).
+        y = torch.ops.pagoda.quant_linear(x2.contiguous(), pw.data, pw.scales, pw.offsets, b,
+                                          FORMATS[pw.fmt], pw.group_size)
+    else:
+        y = dequant_linear(x2, pw, bias)
+    return y.reshape(*shape[:-1], pw.out_features)
+
+
+def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Reference / fallback path: dequantize to x's dtype and run F.linear."""
+    return F.linear(x, pw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))

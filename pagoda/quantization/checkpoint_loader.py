@@ -1,0 +1,71 @@
+"""Load a saved INT4 checkpoint folder (the format in pagoda/quantization/int4_format.py's docs and
+config.json's quantization_config) into the INT4 linear op.
+
+Every quantized linear is stored under its HF unfused prefix as `.qweight` / `.scales` / `.zeros`;
+q/k/v and gate/up are concatenated along output rows at load (the format is per row, so fusing is
+exact). The float lm_head is quantized with RTN at the checkpoint's group size, as the in-memory
+`quantization="int4"` path does, so both run the same weights.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.kernels.quant_linear import PackedWeight
+from pagoda.model.loader import ModelFiles
+from pagoda.quantization.int4_format import Int4Weight, check_group_size
+from pagoda.quantization.methods import int4_to_packed
+
+_PARTS = ("qweight", "scales", "zeros")
+
+
+def check_checkpoint_config(qc: Any, method: str | None, source: str) -> None:
+    if not isinstance(qc, dict) or qc.get("quant_method") != "pagoda" or qc.get("method") != "int4":
+        raise ValueError(f"{source!r}: unsupported quantization_config {qc!r} (pagoda loads its own int4 "
+                         "checkpoints: quant_method 'pagoda', method 'int4')")
+    if qc.get("bits", 4) != 4:
+        raise ValueError(f"{source!r}: quantization_config bits={qc.get('bits')!r}, only 4 is supported")
+    if method not in (None, "int4"):
+        raise ValueError(f"quantization {method!r} cannot apply to {source!r}: it is a saved int4 checkpoint")
+
+
+def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
+    from safetensors import safe_open
+
+    from pagoda.quantization.loading import QUANTIZE_LM_HEAD, _set_param_dtype, load_with_packed, tie_lm_head
+    from pagoda.quantization.methods import quantize_int4
+
+    group = int(files.hf_config["quantization_config"].get("group_size", 128))
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    floats: list[tuple[str, torch.Tensor]] = []
+    for path in files.weight_files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                prefix, _, kind = name.rpartition(".")
+                if kind in _PARTS:
+                    parts.setdefault(prefix, {})[kind] = f.get_tensor(name)
+                elif not name.endswith("rotary_emb.inv_freq"):
+                    floats.append((name, f.get_tensor(name).float()))
+    packed: dict[str, PackedWeight] = {}
+    for prefix, t in parts.items():
+        missing = [p for p in _PARTS if p not in t]
+        if missing:
+            raise ValueError(f"{files.source!r}: {prefix} lacks {', '.join(missing)}")
+        q, s, z = t["qweight"], t["scales"], t["zeros"]
+        n, k = q.shape[0], q.shape[1] * 2
+        if q.dtype != torch.uint8 or s.shape != z.shape or s.dim() != 2 or s.shape[0] != n or k % s.shape[1]:
+            raise ValueError(f"{files.source!r}: {prefix} has malformed int4 tensors "
+                             f"(qweight {tuple(q.shape)} {q.dtype}, scales {tuple(s.shape)}, zeros {tuple(z.shape)})")
+        check_group_size(k, k // s.shape[1])
+        packed[prefix] = int4_to_packed(Int4Weight(q.contiguous(), s.float(), z.float(), k // s.shape[1]))
+    tied = model.args.tie_word_embeddings
+    if tied:
+        floats = [(n, w) for n, w in floats if n != "lm_head.weight"]
+    _set_param_dtype(model, torch.float32)
+    load_with_packed(model, packed, floats, dtype)
+    tie_lm_head(model)
+    if QUANTIZE_LM_HEAD and model.lm_head.qweight is None:
+        model.lm_head.set_quantized(quantize_int4(model.lm_head.weight.detach(), group))
+    _set_param_dtype(model, dtype)

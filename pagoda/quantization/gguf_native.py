@@ -1,0 +1,85 @@
+"""Run a GGUF's Q4_0 / Q4_1 / Q8_0 tensors natively: raw blocks -> PackedWeight, no float copy.
+
+Each GGML block covers 32 weights of a row:
+  Q4_0: fp16 d, 16 bytes of nibbles                w = d * (q - 8)     -> int4, scale d, offset -8d
+  Q4_1: fp16 d, fp16 m, 16 bytes of nibbles        w = d * q + m       -> int4, scale d, offset m
+  Q8_0: fp16 d, 32 int8                            w = d * q           -> int8 groups of 32, scale d
+GGML puts element j in the low nibble of byte j and element j + 16 in its high nibble; the nibbles
+are repacked into Pagoda's order (low nibble = even k). Both are exact: fp16 d and m are exact in
+fp32, and the codes are unchanged, so the kernels compute on gguf-py's dequantized weights.
+Other tensor types (F32 norms, K-quants) are dequantized to float as before.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda.kernels.quant_linear import PackedWeight
+from pagoda.layers.quant_embedding import QuantEmbedding
+from pagoda.model.gguf_loader import _IGNORED, GGUFFile, gguf_to_hf_name, unpermute_qk
+from pagoda.model.loader import ModelFiles
+from pagoda.quantization.int4_format import pack_int4
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+NATIVE = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # qtype -> bytes per block of 32
+
+
+def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
+    """raw: uint8 [N, K / 32 * block_bytes] as stored -> PackedWeight over [N, K]."""
+    n, g = raw.shape[0], k // 32
+    blocks = torch.from_numpy(np.array(raw)).view(n, g, NATIVE[qtype])  # owned copy of the mapped bytes
+    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, g).float()
+    if qtype == Q8_0:
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+        return PackedWeight("int8", q.contiguous(), d.contiguous(), None, 32, k)
+    if qtype == Q4_1:
+        offsets = blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, g).float()
+        qs = blocks[..., 4:]
+    else:
+        offsets = -8.0 * d
+        qs = blocks[..., 2:]
+    codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(n, k)  # GGML order: 16 low, then 16 high
+    return PackedWeight("int4", pack_int4(codes).contiguous(), d.contiguous(), offsets.contiguous(), 32, k)
+
+
+def load_gguf_native(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
+    from pagoda.quantization.loading import load_with_packed
+
+    g: GGUFFile = files._gguf
+    cfg = files.hf_config
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    permute = g.architecture == "llama"
+    packed: dict[str, PackedWeight] = {}
+    floats: list[tuple[str, torch.Tensor]] = []
+    for name, info in g.tensors.items():
+        if name in _IGNORED:
+            continue
+        hf = gguf_to_hf_name(name)
+        if hf is None:
+            raise ValueError(f"{g.path}: GGUF tensor {name!r} has no known HF equivalent")
+        n_head = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else 0
+        if info.qtype in NATIVE and len(info.dims) == 2 and hf.endswith(".weight"):
+            pw = packed_from_blocks(g.raw_tensor(name), info.qtype, info.dims[0])
+            if permute and n_head:
+                pw = pw.rows(torch.from_numpy(unpermute_qk(np.arange(pw.out_features), n_head)))
+            packed[hf.removesuffix(".weight")] = pw
+            continue
+        arr = g.dequantized(name)
+        if permute and n_head:
+            arr = unpermute_qk(arr, n_head)
+        floats.append((hf, torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)))
+    embed = packed.pop("model.embed_tokens", None)
+    if embed is not None:
+        model.embed_tokens = QuantEmbedding(embed, dtype)
+        floats_provided = ["model.embed_tokens.weight"]
+    else:
+        floats_provided = []
+    if model.args.tie_word_embeddings and embed is not None:
+        model.lm_head.set_quantized(embed)  # the same packed table: no second copy
+    load_with_packed(model, packed, floats, dtype, extra_provided=floats_provided)
+    if model.args.tie_word_embeddings and embed is None:
+        from pagoda.quantization.loading import tie_lm_head
+
+        tie_lm_head(model)

@@ -1,0 +1,77 @@
+"""Rejection sampling of proposals against the target (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding", Alg. 1; Chen et al. 2023, "Accelerating Large Language Model
+Decoding with Speculative Sampling", Alg. 2).
+
+For draft token x_i drawn from q_i, accept with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+rejection emit a token from norm(max(0, p_i - q_i)) and stop; if all k are accepted, emit a bonus token
+from p_{k}. Every emitted token is then distributed exactly as under p alone. Greedy rows (temperature 0)
+accept the longest prefix equal to the target's argmax, plus the target's next argmax: bit-identical to
+decoding without speculation. A point-mass q (n-gram proposals) makes the rule: accept with p_i(x_i),
+on rejection resample from p_i with x_i removed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.layers.sampler import SamplingBatch, target_distribution
+
+
+@dataclass
+class SpecRow:
+    """One request's verification: its proposals and the sampling state at the first position."""
+    draft: list[int]                        # k proposals
+    draft_probs: torch.Tensor | None        # [k, V] q_i for drafted rows; None = point mass (n-gram)
+    params_batch_index: int                 # the row's first position in the expanded SamplingBatch
+
+
+def accepts(u: float, p_x: float, q_x: float) -> bool:
+    """The acceptance test u < p(x)/q(x), u ~ U[0, 1) (tests replace it to show a wrong rule is caught)."""
+    return u * q_x < p_x
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def verify(logits: torch.Tensor, batch: SamplingBatch, rows: list[SpecRow]) -> list[list[int]]:
+    """logits: fp32 [sum(1 + k_r), V], the target at each row's last token and its proposals, in row order;
+    `batch` has one entry per such position, with the history up to that position (drafts included).
+    Returns the emitted tokens per row: the accepted proposals plus one token from the target."""
+    greedy_ids, probs = target_distribution(logits, batch)
+    greedy = greedy_ids.tolist()
+    out: list[list[int]] = []
+    for row in rows:
+        base, k = row.params_batch_index, len(row.draft)
+        params = batch.params[base]
+        emitted: list[int] = []
+        if params.greedy or probs is None:
+            for i, x in enumerate(row.draft):
+                emitted.append(greedy[base + i])
+                if x != greedy[base + i]:
+                    break
+            else:
+                emitted.append(greedy[base + k])
+            out.append(emitted)
+            continue
+        gen = batch.generators[base]
+        for i, x in enumerate(row.draft):
+            p = probs[base + i]
+            q_x = 1.0 if row.draft_probs is None else float(row.draft_probs[i, x])
+            u = float(torch.rand((), generator=gen))
+            if accepts(u, float(p[x]), q_x):
+                emitted.append(x)
+                continue
+            if row.draft_probs is None:
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = (p - row.draft_probs[i]).clamp_(min=0.0)
+            # A zero residual means p <= q nowhere exceeded, i.e. p == q: rejection had probability 0.
+            emitted.append(_draw(residual if float(residual.sum()) > 0 else p, gen))
+            break
+        else:
+            emitted.append(_draw(probs[base + k], gen))
+        out.append(emitted)
+    return out

@@ -1,0 +1,228 @@
+"""Speculator: the engine's speculative-decoding step hooks.
+
+propose()  before scheduling: choose k per decoding sequence and fill seq.spec_token_ids (the scheduler
+           counts them in its token budget and allocates their KV slots; the model runner returns logits
+           at the last token and every proposal).
+verify()   after the forward: rejection-sample, append the emitted tokens one by one through the stop rules,
+           then roll back: num_computed_tokens covers the accepted tokens only, full blocks of accepted
+           tokens join the prefix cache, and blocks holding nothing but rejected slots go back to the pool.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.scheduler import Scheduler
+from pagoda.engine.request import Sequence
+from pagoda.executor.model_runner import ModelRunner
+from pagoda.layers.sampler import SamplingBatch, sampler_output
+from pagoda.spec_decode import rejection
+from pagoda.spec_decode.adaptive import AdaptivePolicy, StepCostModel
+from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.spec_decode.draft import ModelDraftProposer
+from pagoda.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from pagoda.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Running totals (vLLM's spec_decode_* counters)."""
+    num_drafts: int = 0            # verifications of a request with at least one proposal
+    num_draft_tokens: int = 0      # proposals verified
+    num_accepted_tokens: int = 0   # proposals accepted
+    num_emitted_tokens: int = 0    # tokens those verifications appended (accepted + the target's own, after stops)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: 1 (the target's own) + accepted proposals."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def _calibrate(runner: ModelRunner, num_blocks: int, num_layers: int | None,
+               shapes: tuple[tuple[int, int], tuple[int, int]], reps: int = 5) -> tuple[float, float]:
+    """Seconds for one forward of each (rows, tokens per row) shape, the best of `reps` interleaved runs (other
+    load on the machine only ever adds time). Writes scratch KV into blocks that are all free at start-up."""
+    bs = runner.block_size
+    batches = []
+    for rows, tokens in shapes:
+        per_row = -(-tokens // bs)
+        batches.append([([0] * tokens, 0, [(r * per_row + j) % num_blocks for j in range(per_row)])
+                        for r in range(rows)])
+    best = [float("inf")] * len(batches)
+    for rep in range(reps + 1):
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            runner.forward_rows(batch, num_layers)
+            if rep:  # the first round warms up
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig, engine: LLMEngine) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.stats = SpecDecodeStats()
+        self.ngram: NgramProposer | None = None
+        self.drafter: ModelDraftProposer | None = None
+        self._draft_probs: dict[int, torch.Tensor] = {}
+        target: ModelRunner = engine.runner
+        kv: KVCacheManager = engine.kv
+        n_blocks = kv.pool.num_blocks
+        if cfg.method == "ngram":
+            self.ngram = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        elif cfg.method == "self":
+            if cfg.num_draft_layers is None or cfg.num_draft_layers >= engine.args.num_layers:
+                raise ValueError(f"speculative_config.num_draft_layers must be below the model's "
+                                 f"{engine.args.num_layers} layers")
+            self.drafter = ModelDraftProposer(target, kv, None, cfg.num_draft_layers)
+        else:
+            self.drafter = self._load_draft_model(cfg, engine)
+        cost = StepCostModel(0.0, 0.0)
+        if cfg.adaptive:
+            t1, t_many = _calibrate(target, n_blocks, None, ((1, 1), (1, 32)))
+            cost.add_point(1, t1, weight=5.0)
+            cost.add_point(32, t_many, weight=5.0)
+            if self.drafter is not None:
+                d_runner, d_blocks = self.drafter.runner, (self.drafter.draft_kv or kv).pool.num_blocks
+                d1, d8 = _calibrate(d_runner, d_blocks, self.drafter.num_layers, ((1, 1), (8, 1)))
+                cost.d1 = max((d8 - d1) / 7, 1e-7)
+                cost.d0 = max(d1 - cost.d1, 1e-6)
+            logger.info("speculation cost model: forward %.2f ms + %.3f ms/token, draft pass %.2f ms + %.3f ms/row",
+                        1e3 * cost.c0, 1e3 * cost.c1, 1e3 * cost.d0, 1e3 * cost.d1)
+        self.policy = AdaptivePolicy(cost)
+
+    @staticmethod
+    def _load_draft_model(cfg: SpeculativeConfig, engine: LLMEngine) -> ModelDraftProposer:
+        from pagoda.model.args import ModelArgs
+        from pagoda.model.loader import resolve_model_files
+        from pagoda.model.tokenizer import load_tokenizer
+
+        files = resolve_model_files(cfg.model)
+        args = ModelArgs.from_hf_config(files.hf_config)
+        if args.vocab_size != engine.args.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({args.vocab_size}) differs from "
+                             f"the target's ({engine.args.vocab_size})")
+        try:
+            draft_tok = load_tokenizer(files)
+        except Exception:  # noqa: BLE001 - a draft without tokenizer files borrows the target's
+            draft_tok = None
+        probe = "Speculative decoding: the quick brown fox, 12345!"
+        if draft_tok is not None and draft_tok.encode(probe) != engine.tokenizer.encode(probe):
+            raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
+        runner = ModelRunner(engine.config, files, args, engine.dtype)
+        num_blocks = engine.kv.pool.num_blocks  # as many blocks as the target: every running sequence fits
+        runner.allocate_kv_cache(num_blocks)
+        draft_kv = KVCacheManager(num_blocks, engine.config.cache.block_size, enable_prefix_caching=False)
+        return ModelDraftProposer(runner, engine.kv, draft_kv, None)
+
+    # ---- before scheduling -----------------------------------------------------------------------
+    def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
+        running = scheduler.running
+        for seq in running:
+            seq.spec_token_ids = []
+        self._draft_probs.clear()
+        live = {s.seq_id for s in running}
+        self.policy.forget_except(live)
+        if self.drafter is not None:
+            self.drafter.release_except(live)
+        K = self.cfg.num_speculative_tokens
+        cands: list[Sequence] = []
+        max_ks: list[int] = []
+        pending = sum(s.num_tokens for s in scheduler.waiting)
+        for seq in running:
+            if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
+                pending += seq.num_tokens - seq.num_computed_tokens  # still prefilling
+                continue
+            # Emitting k + 1 tokens must stay within max_tokens, and the k KV positions within the context.
+            k = min(K, seq.request.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
+            if k > 0:
+                cands.append(seq)
+                max_ks.append(k)
+        if not cands:
+            return
+        other = min(pending, max(0, scheduler.config.max_num_batched_tokens - len(running)))
+        if self.ngram is not None:
+            proposals = self.ngram.propose([s.token_ids for s in cands], max_ks)
+            ks = [len(p) for p in proposals]
+            if self.cfg.adaptive:
+                ks = self.policy.choose([s.seq_id for s in cands], ks, other)
+            for seq, p, k in zip(cands, proposals, ks):
+                seq.spec_token_ids = p[:k]
+            return
+        assert self.drafter is not None
+        ks = self.policy.choose([s.seq_id for s in cands], max_ks, other) if self.cfg.adaptive else max_ks
+        drafts, probs = self.drafter.propose(cands, ks)
+        for seq, d, q in zip(cands, drafts, probs):
+            seq.spec_token_ids = d
+            if q is not None:
+                self._draft_probs[seq.seq_id] = q
+
+    def observe_step(self, num_tokens: int, forward_s: float, step_s: float) -> None:
+        if self.cfg.adaptive:
+            self.policy.cost.observe(num_tokens, forward_s, step_s)
+
+    # ---- after the forward -----------------------------------------------------------------------
+    def verify(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
+        """Accept/reject each sequence's scheduled proposals and append what it emits (stops applied)."""
+        engine = self.engine
+        params, gens, outs, prompts, banned = [], [], [], [], []
+        rows: list[rejection.SpecRow] = []
+        for seq, lg in zip(seqs, logits):
+            draft = seq.spec_token_ids
+            assert lg.shape[0] == len(draft) + 1
+            q = self._draft_probs.get(seq.seq_id)
+            rows.append(rejection.SpecRow(draft, None if q is None else q[:len(draft)], len(params)))
+            p, req = seq.request.params, seq.request
+            history = seq.output_token_ids
+            for i in range(len(draft) + 1):
+                params.append(p)
+                gens.append(seq.generator)
+                outs.append(history + draft[:i])
+                prompts.append(req.prompt_token_ids)
+                banned.append(sorted(req.stop_ids) if seq.num_output_tokens + i < p.min_tokens else [])
+        batch = SamplingBatch(params=params, generators=gens, output_token_ids=[], prompt_token_ids=[],
+                              banned_token_ids=banned)
+        if batch.any_penalty:
+            batch.output_token_ids, batch.prompt_token_ids = outs, prompts
+        flat = torch.cat(logits).float()
+        raw_logprobs = flat.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
+        emitted = rejection.verify(flat, batch, rows)
+
+        # Append token j of every sequence still going, in order, so stops truncate what follows.
+        for j in range(max(len(e) for e in emitted)):
+            group = [(seq, e[j], row.params_batch_index + j) for seq, e, row in zip(seqs, emitted, rows)
+                     if j < len(e) and seq.finish_reason is None]
+            if not group:
+                break
+            lp = None if raw_logprobs is None else raw_logprobs[torch.tensor([g[2] for g in group])]
+            out = sampler_output(torch.tensor([g[1] for g in group]), lp, batch.max_logprobs)
+            engine.outputs.append_tokens([g[0] for g in group], out)
+            self.stats.num_emitted_tokens += len(group)
+        st = self.stats
+        for seq, e in zip(seqs, emitted):
+            k, accepted = len(seq.spec_token_ids), len(e) - 1
+            st.num_drafts += 1
+            st.num_draft_tokens += k
+            st.num_accepted_tokens += accepted
+            self.policy.update(seq.seq_id, k, accepted)
+            seq.spec_token_ids = []
+            # KV is valid for the last token and the accepted proposals: everything but the newest token.
+            seq.num_computed_tokens = seq.num_tokens - 1
+            engine.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+            engine.kv.trim(seq.seq_id, seq.num_computed_tokens)
+            if self.drafter is not None:
+                self.drafter.rollback(seq)

@@ -1,0 +1,56 @@
+"""`pagoda bench quant` helpers: row parsing, weight accounting, and the llama.cpp peer's job format."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagoda.bench.quant_table import parse_row, weight_bytes
+
+
+def test_parse_row():
+    assert parse_row("float32", "m.gguf").dtype == "float32"
+    r = parse_row("int4", "m.gguf")
+    assert (r.model, r.dtype, r.quantization) == ("m.gguf", "auto", "int4")
+    r = parse_row("int4-awq=/tmp/awq", "m.gguf")
+    assert (r.name, r.model, r.quantization) == ("int4-awq", "/tmp/awq", None)
+
+
+def test_weight_bytes_counts_each_storage_once_and_skips_caches():
+    lin = torch.nn.Linear(64, 32)
+    emb = torch.nn.Embedding(10, 64)
+    model = torch.nn.ModuleDict({"lin": lin, "emb": emb})
+    expected = (64 * 32 + 32 + 10 * 64) * 4
+    assert weight_bytes(model) == expected
+    lin.k_cache = torch.zeros(1000)  # KV pools are not weights
+    tied = torch.nn.Linear(64, 10, bias=False)
+    tied.weight = emb.weight  # tied weights count once
+    model["tied"] = tied
+    assert weight_bytes(model) == expected
+
+
+def test_quantized_model_is_smaller(default_gguf):
+    from pagoda import LLM
+
+    f32 = weight_bytes(LLM(dtype="float32", kv_cache_memory="64MiB").engine.runner.model)
+    assert 500e6 < f32 < 560e6  # 135M parameters, tied embedding counted once
+    q4 = weight_bytes(LLM(quantization="int4", kv_cache_memory="64MiB").engine.runner.model)
+    assert q4 < 0.4 * f32
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/work/peers/llama/bin/python"), reason="llama.cpp peer not installed")
+def test_llama_cpp_peer_perplexity_agrees_with_ours(default_gguf):
+    """Same GGUF, same token ids: llama.cpp's perplexity and ours (float32) agree within 2%."""
+    from pagoda import LLM
+    from pagoda.bench.llama_cpp_peer import run_llama_cpp
+    from pagoda.eval.perplexity import perplexity, sliding_windows
+
+    llm = LLM(dtype="float32", kv_cache_memory="128MiB")
+    ids = llm.get_tokenizer().encode(open("/usr/share/common-licenses/GPL-3").read()[:3000])
+    ours = perplexity(llm, ids, 128, 64).perplexity
+    windows = sliding_windows(len(ids), 128, 64)
+    peer = run_llama_cpp(default_gguf, perplexity=([ids[w.begin:w.end] for w in windows],
+                                                   [w.end - w.begin - w.num_scored for w in windows]))
+    assert abs(peer["perplexity"]["perplexity"] / ours - 1) < 0.02

@@ -1,0 +1,82 @@
+"""The quantized linear op (C++ streaming kernel and torch fallback) equals dequantized-weights @ x."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, quant_linear
+from pagoda.quantization.methods import quantize_weight
+
+SHAPES = [(576, 1536, False), (64, 7, True), (96, 33, True), (1536, 65, False), (50, 9, True)]
+
+
+def _case(method: str, k: int, n: int, bias: bool, group: int = 32, seed: int = 0):
+    torch.manual_seed(seed)
+    w = torch.randn(n, k) / k**0.5
+    pw = quantize_weight(method, w, group)
+    b = torch.randn(n) if bias else None
+    return pw, b
+
+
+def _ref(x: torch.Tensor, pw: PackedWeight, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ pw.dequantize().double().T
+    return (y if b is None else y + b.double()).float()
+
+
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("k,n,bias", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 33])
+def test_quant_linear_matches_dequantized_reference(method, k, n, bias, m):
+    pw, b = _case(method, k, n, bias, seed=m)
+    x = torch.randn(m, k)
+    ref = _ref(x, pw, b)
+    for use_cpp in ([False, True] if cpp_supported(pw) else [False]):
+        out = quant_linear(x, pw, b, use_cpp=use_cpp)
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
+def test_bf16_activations_and_3d_input(method):
+    pw, b = _case(method, 576, 100, True)
+    x = torch.randn(2, 5, 576)
+    out = quant_linear(x.bfloat16(), pw, b)
+    assert out.shape == (2, 5, 100) and out.dtype == torch.bfloat16
+    ref = _ref(x.bfloat16().float().reshape(10, 576), pw, b).reshape(2, 5, 100)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+def test_cpp_kernel_really_runs_and_covers_all_groups():
+    # Groups of 32/64/128 and GGUF-style offsets (Q4_1: w = d*q + m) through the C++ op itself.
+    torch.manual_seed(1)
+    for g in (32, 64, 128):
+        pw = quantize_weight("int4", torch.randn(40, 384), g)
+        assert pw.group_size == g and cpp_supported(pw)
+        for m in (1, 5, 11):  # fp32 activations: fp32 FMA path; bf16: the AVX512-BF16 dot path (K % 64 == 0)
+            x = torch.randn(m, 384)
+            y = torch.ops.pagoda.quant_linear(x, pw.data, pw.scales, pw.offsets, None, 0, g)
+            torch.testing.assert_close(y, _ref(x, pw, None), atol=1e-4, rtol=1e-4)
+            xb = x.bfloat16()
+            y = torch.ops.pagoda.quant_linear(xb, pw.data, pw.scales, pw.offsets, None, 0, g)
+            assert y.dtype == torch.bfloat16  # fp32 accumulation, rounded once on output
+            torch.testing.assert_close(y.float(), _ref(xb.float(), pw, None), atol=2e-2, rtol=8e-3)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+def test_fp8_kernel_decodes_every_code():
+    # All 254 finite e4m3 codes (subnormals, both signs) in one row: the bit trick must match torch's cast.
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]
+    k = 256
+    row = torch.zeros(k, dtype=torch.uint8)
+    row[: finite.numel()] = finite
+    pw = PackedWeight("fp8", row.view(1, k).clone(), torch.ones(1, 1), None, k, k)
+    for j in range(0, k, 37):  # probe with one-hot inputs
+        x = torch.zeros(1, k)
+        x[0, j] = 1.0
+        y = torch.ops.pagoda.quant_linear(x, pw.data, pw.scales, None, None, 2, k)
+        assert y.item() == row[j : j + 1].view(torch.float8_e4m3fn).float().item()
+    x = torch.randn(3, k)
+    torch.testing.assert_close(quant_linear(x, pw, None, use_cpp=True), _ref(x, pw, None), atol=1e-3, rtol=1e-4)
