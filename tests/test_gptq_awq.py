@@ -125,7 +125,7 @@ def test_gptq_and_awq_beat_rtn_on_a_smollm_layer(smollm_layer_inputs):
 def test_awq_folding_keeps_the_float_model(tmp_path):
     """Scaling W columns by s and folding 1/s into the norm / previous linear is exact in float
     (MHA model, so the o_proj <- v_proj fold is exercised too)."""
-    from conftest import build_tiny_model
+    from tiny_models import build_tiny_model
 
     path = build_tiny_model(tmp_path / "mha", "llama", num_key_value_heads=4)
     model, _ = load_hf_float_model(str(path))

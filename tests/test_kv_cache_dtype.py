@@ -199,7 +199,7 @@ def test_bad_kv_cache_dtype_is_a_value_error_naming_the_option():
 @pytest.fixture(scope="module")
 def tiny_d64(tmp_path_factory):
     """A tiny random Llama whose head_dim is the default model's (64), so the scale overhead is realistic."""
-    from conftest import build_tiny_model
+    from tiny_models import build_tiny_model
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_d64"), "llama", hidden_size=128,
                                 num_attention_heads=2, num_key_value_heads=1))
 

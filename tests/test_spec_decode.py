@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model
+from tiny_models import build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from tiny_models import build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.spec_decode import rejection

@@ -365,6 +365,7 @@ class FakeTokenizer:
 class FakeEngine:
     """Emits 'a' once per step per request. `hold` keeps requests waiting; `fail_next` makes step() raise."""
     max_model_len = 64
+    speculator = None
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()

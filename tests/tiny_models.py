@@ -1,0 +1,26 @@
+"""Tiny random-weight HF models built from a config (importable by tests; conftest names clash)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def build_tiny_model(path: Path, arch: str, **overrides) -> Path:
+    """Save a tiny random-weight HF model (safetensors) to `path` and return it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    common.update(overrides)
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common))
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
