@@ -3,7 +3,7 @@ config.json's quantization_config) into the INT4 linear op.
 
 Every quantized linear is stored under its HF unfused prefix as `.qweight` / `.scales` / `.zeros`;
 q/k/v and gate/up are concatenated along output rows at load (the format is per row, so fusing is
-exact). The float lm_head is quantized with RTN at the checkpoint's group size, as the in-memory
+exact). The float lm_head is quantized (INT8 per channel, see loading.lm_head_method), as the in-memory
 `quantization="int4"` path does, so both run the same weights.
 """
 from __future__ import annotations
@@ -34,8 +34,14 @@ def check_checkpoint_config(qc: Any, method: str | None, source: str) -> None:
 def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
     from safetensors import safe_open
 
-    from pagoda.quantization.loading import QUANTIZE_LM_HEAD, _set_param_dtype, load_with_packed, tie_lm_head
-    from pagoda.quantization.methods import quantize_int4
+    from pagoda.quantization.loading import (
+        QUANTIZE_LM_HEAD,
+        _set_param_dtype,
+        lm_head_method,
+        load_with_packed,
+        tie_lm_head,
+    )
+    from pagoda.quantization.methods import quantize_weight
 
     group = int(files.hf_config["quantization_config"].get("group_size", 128))
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -67,5 +73,5 @@ def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype
     load_with_packed(model, packed, floats, dtype)
     tie_lm_head(model)
     if QUANTIZE_LM_HEAD and model.lm_head.qweight is None:
-        model.lm_head.set_quantized(quantize_int4(model.lm_head.weight.detach(), group))
+        model.lm_head.set_quantized(quantize_weight(lm_head_method("int4"), model.lm_head.weight.detach(), group))
     _set_param_dtype(model, dtype)

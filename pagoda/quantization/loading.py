@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 # every decode step, and greedy agreement with float stays as good (tests/test_quantization.py).
 QUANTIZE_LM_HEAD = True
 
+
+def lm_head_method(method: str) -> str:
+    """INT4 methods keep the LM head at INT8: on GPL-3 an int4 (RTN) head alone cost SmolLM2 +6.7%
+    perplexity over a float head (GPTQ g32 checkpoint: 20.37 vs 19.09), an int8 head +0.07% (19.11)."""
+    return "int8" if method == "int4" else method
+
 # HF unfused projection -> (fused Linear, position among its parts, number of parts).
 _FUSED = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
           "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
@@ -76,7 +82,8 @@ def quantize_linears(model: nn.Module, method: str, group_size: int = 128) -> No
             continue
         if name == "lm_head" and not QUANTIZE_LM_HEAD:
             continue
-        m.set_quantized(quantize_weight(method, m.weight.detach(), group_size))
+        m.set_quantized(quantize_weight(lm_head_method(method) if name == "lm_head" else method,
+                                        m.weight.detach(), group_size))
 
 
 def _set_param_dtype(model: nn.Module, dtype: torch.dtype) -> None:
