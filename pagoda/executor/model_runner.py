@@ -125,17 +125,8 @@ class ModelRunner:
             if end == seq.num_tokens:  # the chunk reaches the last token: it samples
                 sample_idx.append(query_start[-1] - 1)
                 sample_rows.append(row)
-        width = max(len(t) for t in tables)
-        table_tensor = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table_tensor.to(dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        )
+        meta = self._attention_metadata(tables, slots, query_start, seq_lens)
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         if len(sample_idx) == len(input_ids):  # pure decode: every token samples, no gather needed
             logits = self.model.compute_logits(hidden)
@@ -170,18 +161,23 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + len(tokens))
             seq_lens.append(end)
-        width = max(len(t) for _, _, t in rows)
-        table_tensor = torch.zeros(len(rows), width, dtype=torch.int32)
-        for i, (_, _, t) in enumerate(rows):
+        dev = self.device
+        meta = self._attention_metadata([t for _, _, t in rows], slots, query_start, seq_lens)
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
+                            num_layers=num_layers)
+        last = torch.tensor(query_start[1:], device=dev) - 1
+        return self.model.compute_logits(hidden[last]).cpu()
+
+    def _attention_metadata(self, tables: list[list[int]], slots: list[int], query_start: list[int],
+                            seq_lens: list[int]) -> AttentionMetadata:
+        """Flat tensors every layer's attention reads: block tables padded to the widest row."""
+        table_tensor = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+        for i, t in enumerate(tables):
             table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         dev = self.device
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=table_tensor.to(dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         )
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
-                            num_layers=num_layers)
-        last = torch.tensor(query_start[1:], device=dev) - 1
-        return self.model.compute_logits(hidden[last]).cpu()
