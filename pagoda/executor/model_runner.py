@@ -29,6 +29,39 @@ class ModelOutput:
     spec_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class FlatBatch:
+    """Rows of (tokens, first position, block table) flattened into one varlen batch."""
+    block_size: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)     # cache slot of each token
+    query_start: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)  # context length of each row after this step
+    tables: list[list[int]] = field(default_factory=list)
+
+    def add(self, tokens: list[int], start: int, table: list[int]) -> None:
+        bs, end = self.block_size, start + len(tokens)
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, end))
+        self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        self.query_start.append(self.query_start[-1] + len(tokens))
+        self.seq_lens.append(end)
+        self.tables.append(table)
+
+    def metadata(self, device: torch.device) -> AttentionMetadata:
+        """The flat tensors every layer's attention reads; block tables padded to the widest row."""
+        table_tensor = torch.zeros(len(self.tables), max(len(t) for t in self.tables), dtype=torch.int32)
+        for i, t in enumerate(self.tables):
+            table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(self.slots, dtype=torch.int64, device=device),
+            block_tables=table_tensor.to(device),
+            query_start_loc=torch.tensor(self.query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+        )
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, files: ModelFiles, args: ModelArgs, dtype: torch.dtype) -> None:
         self.config = config
@@ -93,42 +126,31 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[int, list[int]]) -> ModelOutput:
         self.copy_blocks(sched.block_copies)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
+        batch = FlatBatch(self.block_size)
         sample_idx: list[int] = []
         sample_rows: list[int] = []
         prompt_spans: dict[int, tuple[int, int]] = {}
         spec_spans: dict[int, tuple[int, int]] = {}
-        tables = []
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
             start = seq.num_computed_tokens
             end = start + n
-            table = block_tables[seq.seq_id]
-            tables.append(table)
-            input_ids.extend(seq.token_ids[start:end])
+            offset = batch.query_start[-1]
+            tokens = seq.token_ids[start:end]
             num_spec = end - seq.num_tokens  # > 0: verify the last token and this many proposals
             if num_spec > 0:
-                input_ids.extend(seq.spec_token_ids[:num_spec])
-                first = query_start[-1] + seq.num_tokens - 1 - start
-                spec_spans[row] = (first, num_spec + 1)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                tokens = tokens + seq.spec_token_ids[:num_spec]
+                spec_spans[row] = (offset + seq.num_tokens - 1 - start, num_spec + 1)
+            batch.add(tokens, start, block_tables[seq.seq_id])
             span = seq.request.prompt_logprobs_span(start, end)
             if span is not None:  # (first, last) prompt positions -> (flat offset, length)
-                prompt_spans[row] = (query_start[-1] + span[0] - start, span[1] - span[0])
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
+                prompt_spans[row] = (offset + span[0] - start, span[1] - span[0])
             if end == seq.num_tokens:  # the chunk reaches the last token: it samples
-                sample_idx.append(query_start[-1] - 1)
+                sample_idx.append(offset + n - 1)
                 sample_rows.append(row)
         dev = self.device
-        meta = self._attention_metadata(tables, slots, query_start, seq_lens)
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
-        if len(sample_idx) == len(input_ids):  # pure decode: every token samples, no gather needed
+        hidden = self.model(torch.tensor(batch.input_ids, device=dev), torch.tensor(batch.positions, device=dev),
+                            batch.metadata(dev))
+        if len(sample_idx) == len(batch.input_ids):  # pure decode: every token samples, no gather needed
             logits = self.model.compute_logits(hidden)
         elif sample_idx:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
@@ -148,36 +170,11 @@ class ModelRunner:
         """Run (tokens, first position, block table) rows, writing their KV; fp32 logits at each row's last token.
 
         The drafting path of speculative decoding: `num_layers` stops after the first L layers (early exit)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
+        batch = FlatBatch(self.block_size)
         for tokens, start, table in rows:
-            end = start + len(tokens)
-            input_ids.extend(tokens)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + len(tokens))
-            seq_lens.append(end)
+            batch.add(tokens, start, table)
         dev = self.device
-        meta = self._attention_metadata([t for _, _, t in rows], slots, query_start, seq_lens)
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
-                            num_layers=num_layers)
-        last = torch.tensor(query_start[1:], device=dev) - 1
+        hidden = self.model(torch.tensor(batch.input_ids, device=dev), torch.tensor(batch.positions, device=dev),
+                            batch.metadata(dev), num_layers=num_layers)
+        last = torch.tensor(batch.query_start[1:], device=dev) - 1
         return self.model.compute_logits(hidden[last]).cpu()
-
-    def _attention_metadata(self, tables: list[list[int]], slots: list[int], query_start: list[int],
-                            seq_lens: list[int]) -> AttentionMetadata:
-        """Flat tensors every layer's attention reads: block tables padded to the widest row."""
-        table_tensor = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table_tensor.to(dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        )

@@ -19,6 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))  # part of the build hash, not compiled alone
 _EXT_NAME = "pagoda_cpu_kernels"
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is only active
 # when this translation unit is compiled with OpenMP. The .so then needs libgomp.so.1,
@@ -49,7 +50,7 @@ def _cpu_fingerprint() -> str:
 def build_directory() -> Path:
     """Per source/torch/CPU build dir, so every process reuses one compiled library."""
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in (*_SOURCES, *_HEADERS):
         h.update(src.read_bytes())
     for part in (torch.__version__, " ".join(_CFLAGS), " ".join(_LDFLAGS), _cpu_fingerprint()):
         h.update(part.encode())

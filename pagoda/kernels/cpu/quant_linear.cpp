@@ -18,6 +18,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "dispatch_rows.h"
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -154,20 +156,6 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
 }
 #endif
 
-template <int F, typename Fn>
-void dispatch_m(int64_t M, Fn&& fn) {
-  switch (M) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
-
 // Blocks of weight rows in parallel; within a block every 8-row chunk of x reuses the cached rows.
 template <typename Rows>
 void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
@@ -186,7 +174,7 @@ template <int F>
 void run(const float* xd, const float* xs, const uint8_t* w, int64_t row_bytes, const float* sp, const float* op,
          const float* bp, float* yp, int64_t M, int64_t N, int64_t K, int64_t G, int64_t gs) {
   run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
-    dispatch_m<F>(mc, [&](auto c) {
+    dispatch_m(mc, [&](auto c) {
       rows<F, decltype(c)::value>(w, row_bytes, sp, op, bp, xd + m0 * K, xs + m0 * G, yp + m0 * N, N, K, G, gs, n0, n1);
     });
   });
@@ -246,7 +234,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
     run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
-      dispatch_m<kInt4>(mc, [&](auto c) {
+      dispatch_m(mc, [&](auto c) {
         rows_int4_bf16<decltype(c)::value>(wp, row_bytes, sp, op, bp, xb.data() + m0 * K, xs.data() + m0 * G,
                                            yp + m0 * N, N, K, G, group_size, n0, n1);
       });

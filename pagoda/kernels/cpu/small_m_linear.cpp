@@ -13,6 +13,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "dispatch_rows.h"
+
 #include <cstdint>
 #include <type_traits>
 
@@ -62,20 +64,6 @@ void rows_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, c10::
   }
 }
 #endif
-
-template <typename Fn>
-void dispatch_m(int64_t M, Fn&& fn) {
-  switch (M) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
-  }
-}
 
 // Mirrors pagoda.kernels.linear.small_m_supported, which callers check first.
 bool small_m_linear_supported(int64_t dtype_code, int64_t K) {
