@@ -17,8 +17,11 @@ from pagoda.kernels.kv_quant import quantize_kv
 _MAX_ROWS_ELEMENTWISE = 8
 
 
-def _use_kernel(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernel_available()
+def _use_kernel(x: torch.Tensor, kernel: bool | None = None) -> bool:
+    """`kernel`: kernel_available(), decided once by a layer at prepare() (it reads the environment,
+    ~1 us, and a decode step makes ~180 of these calls); None checks now."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and (kernel_available() if kernel is None else kernel))
 
 
 def _small(x: torch.Tensor) -> bool:
@@ -26,9 +29,9 @@ def _small(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
     """weight * normalize(x); with `residual`: residual += x in place, and the sum is normalized."""
-    if x.dim() == 2 and _small(x) and _use_kernel(x):
+    if x.dim() == 2 and _small(x) and _use_kernel(x, kernel):
         return torch.ops.pagoda.rms_norm(x, weight, eps, residual)
     if residual is not None:
         residual.add_(x)
@@ -41,9 +44,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+          num_heads: int, num_kv_heads: int, head_dim: int, kernel: bool | None = None) -> None:
     """Rotate (rotate-half layout) the q and k heads of fused qkv rows [T, (Hq+2Hkv)*D] in place."""
-    if _use_kernel(qkv) and qkv.stride(1) == 1:
+    if _use_kernel(qkv, kernel) and qkv.stride(1) == 1:
         torch.ops.pagoda.rope_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
         return
     T = qkv.shape[0]
@@ -54,9 +57,9 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     qk.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     """[T, 2I] = [gate | up] -> silu(gate) * up."""
-    if x.stride(-1) == 1 and _small(x) and _use_kernel(x):
+    if x.stride(-1) == 1 and _small(x) and _use_kernel(x, kernel):
         return torch.ops.pagoda.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -64,14 +67,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> None:
+                   v_scale: torch.Tensor | None = None, kernel: bool | None = None) -> None:
     """Store token t's k[t], v[t] ([Hkv, D]) at cache slot slot_mapping[t] = block * block_size + offset.
 
     With scales ([num_blocks, Hkv, block_size] fp32) the cache is 8-bit (pagoda/kernels/kv_quant.py):
     each (token, head) row is quantized with its own scale on the way in.
     """
     quant = k_scale is not None
-    if (_use_kernel(k) and (quant or k.dtype == k_cache.dtype) and k_cache.is_contiguous()
+    if (_use_kernel(k, kernel) and (quant or k.dtype == k_cache.dtype) and k_cache.is_contiguous()
             and k.stride(-1) == 1 and v.stride(-1) == 1):
         if quant:
             torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -44,15 +44,17 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of flat queries ``q [T, Hq, D]`` over the paged cache.
 
     Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and
     sees keys ``0..`` that position. Returns ``[T, Hq, D]`` in ``q``'s dtype.
-    ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit.
+    ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit. ``kernel``: kernel_available(),
+    decided once by the layer (None checks now).
     """
     quantized = k_scale is not None
-    if kernel_available() and _kernel_supports(q, k_cache, quantized):
+    if (kernel_available() if kernel is None else kernel) and _kernel_supports(q, k_cache, quantized):
         if quantized:
             return torch.ops.pagoda.paged_attention(
                 q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),

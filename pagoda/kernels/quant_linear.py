@@ -90,17 +90,15 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, u
     """x [..., K] @ dequant(pw)^T (+ bias), in x's dtype. `use_cpp`: cpp_supported(pw), precomputed per layer."""
     if use_cpp is None:
         use_cpp = cpp_supported(pw)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    m = x2.shape[0]
-    if use_cpp and x2.device.type == "cpu" and 0 < m <= (CPP_MAX_M if max_cpp_m is None else max_cpp_m):
-        b = None if bias is None else bias.float().contiguous()
-        # Returns x's dtype (fp32 accumulation, one rounding on output).
-        y = torch.ops.pagoda.quant_linear(x2.contiguous(), pw.data, pw.scales, pw.offsets, b,
-                                          FORMATS[pw.fmt], pw.group_size)
-    else:
-        y = dequant_linear(x2, pw, bias)
-    return y.reshape(*shape[:-1], pw.out_features)
+    if x.dim() != 2:
+        return quant_linear(x.reshape(-1, x.shape[-1]), pw, bias, use_cpp, max_cpp_m).reshape(*x.shape[:-1], -1)
+    m = x.shape[0]
+    if use_cpp and 0 < m <= (CPP_MAX_M if max_cpp_m is None else max_cpp_m) and x.device.type == "cpu":
+        # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
+        return torch.ops.pagoda.quant_linear(x if x.is_contiguous() else x.contiguous(), pw.data, pw.scales,
+                                             pw.offsets, None if bias is None else bias.float().contiguous(),
+                                             FORMATS[pw.fmt], pw.group_size)
+    return dequant_linear(x, pw, bias)
 
 
 def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

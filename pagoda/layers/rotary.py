@@ -47,8 +47,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", (freqs.cos() * mscale).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale).float(), persistent=False)
+        self.kernel: bool | None = None  # set by the model's prepare()
 
     def forward_(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:
         """Rotate the q and k parts of fused qkv rows [T, (Hq+2Hkv)*D] in place."""
-        rope_(qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, head_dim)
+        rope_(qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, head_dim, self.kernel)

@@ -121,7 +121,7 @@ def _quantize_columns(w: torch.Tensor, hinv: torch.Tensor, codes: torch.Tensor, 
                 scales[:, grp], zeros[:, grp] = s[:, 0], z[:, 0]
             s, z = scales[:, grp], zeros[:, grp]
             wc = w1[:, i]
-            q = torch.clamp(torch.round(wc / s) + z, 0, QMAX)
+            q = torch.clamp(torch.round(wc / s + z), 0, QMAX)
             codes[:, col] = q
             err = (wc - (q - z) * s) / hinv1[i, i]
             w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)

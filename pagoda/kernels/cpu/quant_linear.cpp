@@ -63,9 +63,9 @@ inline void decode32(const uint8_t* row, int64_t k, __m512& a, __m512& b) {
 }
 
 // Output rows [n0, n1) for M activation rows. xd: prepared x [M, K]; xs: group sums [M, G].
-template <int F, int M>
+template <int F, int M, typename O>
 void rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, const float* bias,
-          const float* xd, const float* xs, float* y, int64_t ldy, int64_t K, int64_t G, int64_t gs,
+          const float* xd, const float* xs, O* y, int64_t ldy, int64_t K, int64_t G, int64_t gs,
           int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
@@ -92,7 +92,7 @@ void rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float*
       }
     }
     const float bv = bias ? bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) + off[m] + bv;
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<O>(_mm512_reduce_add_ps(acc[m]) + off[m] + bv);
   }
 }
 
@@ -104,7 +104,7 @@ void rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float*
 // lanes 0..7 of the dot products belong to the first, 8..15 to the second.
 template <int M>
 void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets,
-                    const float* bias, const uint16_t* xb, const float* xs, float* y, int64_t ldy, int64_t K,
+                    const float* bias, const uint16_t* xb, const float* xs, c10::BFloat16* y, int64_t ldy, int64_t K,
                     int64_t G, int64_t gs, int64_t n0, int64_t n1) {
   alignas(64) uint16_t table[32];
   for (int i = 0; i < 32; ++i) table[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
@@ -151,7 +151,7 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
       }
     }
     const float bv = bias ? bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) + bv;
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]) + bv);
   }
 }
 #endif
@@ -170,12 +170,12 @@ void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
   });
 }
 
-template <int F>
+template <int F, typename O>
 void run(const float* xd, const float* xs, const uint8_t* w, int64_t row_bytes, const float* sp, const float* op,
-         const float* bp, float* yp, int64_t M, int64_t N, int64_t K, int64_t G, int64_t gs) {
+         const float* bp, O* yp, int64_t M, int64_t N, int64_t K, int64_t G, int64_t gs) {
   run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
     dispatch_m(mc, [&](auto c) {
-      rows<F, decltype(c)::value>(w, row_bytes, sp, op, bp, xd + m0 * K, xs + m0 * G, yp + m0 * N, N, K, G, gs, n0, n1);
+      rows<F, decltype(c)::value, O>(w, row_bytes, sp, op, bp, xd + m0 * K, xs + m0 * G, yp + m0 * N, N, K, G, gs, n0, n1);
     });
   });
 }
@@ -211,7 +211,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "quant_linear: bias fp32 [N]");
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  // Written in x's dtype by the kernels (one rounding of the fp32 sum).
+  auto y = at::empty({M, N}, x.options());
 #if defined(PAGODA_QUANT_AVX512)
 #if defined(__AVX512BF16__)
   if (fmt == kInt4 && x.scalar_type() == at::kBFloat16 && K % 64 == 0) {
@@ -232,14 +233,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     const float* sp = scales.data_ptr<float>();
     const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    float* yp = y.data_ptr<float>();
+    auto* yp = y.data_ptr<c10::BFloat16>();
     run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
       dispatch_m(mc, [&](auto c) {
         rows_int4_bf16<decltype(c)::value>(wp, row_bytes, sp, op, bp, xb.data() + m0 * K, xs.data() + m0 * G,
                                            yp + m0 * N, N, K, G, group_size, n0, n1);
       });
     });
-    return y.to(at::kBFloat16);
+    return y;
   }
 #endif
   // Prepared activations: fp32, and for INT4 each 32-column chunk split into even then odd columns
@@ -263,12 +264,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  if (fmt == kInt4) run<kInt4>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
-  else if (fmt == kInt8) run<kInt8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
-  else run<kFp8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
+  auto run_fmt = [&](auto* yp) {
+    if (fmt == kInt4) run<kInt4>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
+    else if (fmt == kInt8) run<kInt8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
+    else run<kFp8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
+  };
+  if (x.scalar_type() == at::kFloat) run_fmt(y.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16) run_fmt(y.data_ptr<c10::BFloat16>());
+  else TORCH_CHECK(false, "quant_linear: x must be float32 or bfloat16");
 #endif
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 }  // namespace
