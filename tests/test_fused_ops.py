@@ -65,6 +65,15 @@ def test_silu_and_mul(dtype, tol):
     torch.testing.assert_close(fused_ops.silu_and_mul(x), F.silu(gate) * up, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_silu_and_mul_vectorized_exp_over_the_full_range(dtype, tol):
+    """The AVX-512 path's own exp: from deep saturation (e^-x overflows / underflows) to tiny gates."""
+    gate = torch.cat([torch.linspace(-120, 120, 1000), torch.tensor([0.0, 1e-30, -1e-30, 88.5, -88.5, 87.0])])
+    x = torch.cat([gate, torch.randn(gate.shape[0]) * 3]).view(1, -1).to(dtype)
+    g, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), F.silu(g) * up, atol=tol, rtol=tol)
+
+
 def test_fallbacks_match_kernels(fallback):
     x, w = torch.randn(3, 32), torch.randn(32)
     torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), hf_rms_norm(x, w, 1e-6))

@@ -38,6 +38,18 @@ def test_int4_round_trip_within_half_step(group):
     assert (err <= pw.scales.unsqueeze(-1) / 2 + 1e-5).all()
 
 
+def test_int4_rtn_reproduces_weights_already_on_a_q4_1_grid():
+    """A dequantized GGUF Q4_1 model (float min m, step d, codes 0..15 with both ends used, as
+    llama.cpp's quantizer makes them) re-quantized at g32 must come back exactly: RTN then adds no
+    error on top of the file's own. Integer zero points or a range forced to include 0 would not."""
+    n, k = 16, 128
+    codes = torch.randint(0, 16, (n, k))
+    codes[:, 0::32], codes[:, 1::32] = 0, 15
+    d, m = torch.rand(n, k // 32) * 0.02 + 1e-3, torch.randn(n, k // 32) * 0.05 + 0.03
+    w = (codes.view(n, -1, 32) * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k)
+    torch.testing.assert_close(quantize_weight("int4", w, 32).dequantize(), w, atol=1e-6, rtol=0)
+
+
 def test_int4_group_falls_back_where_k_needs_it():
     assert quantize_weight("int4", torch.randn(4, 576), 128).group_size == 64  # SmolLM2's hidden size
     assert quantize_weight("int4", torch.randn(4, 50), 128).group_size == 50   # one group per row

@@ -111,6 +111,11 @@ class LlamaForCausalLM(nn.Module):
                 m.prepare()
             elif hasattr(m, "kernel"):  # norms, rope, attention, MLP: fused C++ ops or torch
                 m.kernel = use_kernels
+            # Submodules and parameters also into the instance dict: nn.Module.__getattr__ (a Python
+            # function, ~600 calls a decode step) is then never reached. Registration is unchanged,
+            # and nn.Module.__setattr__ drops these entries if a name is ever reassigned.
+            m.__dict__.update(m._modules)
+            m.__dict__.update(m._parameters)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

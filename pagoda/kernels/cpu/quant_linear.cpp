@@ -97,19 +97,20 @@ void rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float*
 }
 
 #if defined(__AVX512BF16__)
-// INT4 with bf16 activations: codes become bf16 through a 16-entry table (vpermw) and are dotted
-// with AVX512-BF16 (32 products per instruction, fp32 accumulation): half the instructions of the
-// fp32 path per weight. xb holds x as bf16 with each 64-column chunk split into [even | odd] columns,
+// INT4 with bf16 activations: a code q becomes the bf16 number 128 + q with one OR (0x4300 | q: the
+// exponent of 128 leaves exactly 7 mantissa bits for q), and is dotted with AVX512-BF16 (32 products
+// per instruction, fp32 accumulation; (128 + q) * x is exact in fp32). The 128 * sum(x) it adds per
+// group comes off with the offset term. Half the instructions of the fp32 path per weight, and no
+// cross-lane table lookup. xb holds x as bf16 with each 64-column chunk split into [even | odd] columns,
 // matching the low/high nibbles of its 32 bytes. For 32-wide groups a chunk spans two groups: fp32
 // lanes 0..7 of the dot products belong to the first, 8..15 to the second.
 template <int M>
 void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets,
                     const float* bias, const uint16_t* xb, const float* xs, c10::BFloat16* y, int64_t ldy, int64_t K,
                     int64_t G, int64_t gs, int64_t n0, int64_t n1) {
-  alignas(64) uint16_t table[32];
-  for (int i = 0; i < 32; ++i) table[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
-  const __m512i lut = _mm512_load_si512(table);
   const __m512i nib = _mm512_set1_epi16(0xF);
+  const __m512i b128 = _mm512_set1_epi16(0x4300);  // bf16 bits of 128.0
+  const __m512 m128 = _mm512_set1_ps(-128.f);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     const float* sr = scales + n * G;
@@ -117,8 +118,8 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     auto chunk = [&](int64_t k, __m512 (&gacc)[M]) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k / 2)));
-      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, nib), lut);
-      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+      const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, nib), b128);
+      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), b128);
       for (int m = 0; m < M; ++m) {
         gacc[m] = _mm512_dpbf16_ps(gacc[m], lo, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
         gacc[m] = _mm512_dpbf16_ps(gacc[m], hi, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32));
@@ -142,13 +143,13 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
         for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(gacc[m], s, acc[m]);
       }
     }
-    if (offsets) {  // sum_g offset[n, g] * sum(x over g), 16 groups per vector, into the same accumulators
-      for (int64_t g0 = 0; g0 < G; g0 += 16) {
-        const __mmask16 mk = G - g0 >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << (G - g0)) - 1);
-        const __m512 ov = _mm512_maskz_loadu_ps(mk, offsets + n * G + g0);
-        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(mk, xs + m * G + g0), acc[m]);
-      }
+    // sum_g (offset[n, g] - 128 * scale[n, g]) * sum(x over g), 16 groups per vector, into the same accumulators
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      const __mmask16 mk = G - g0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                        : static_cast<__mmask16>((1u << (G - g0)) - 1);
+      __m512 ov = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + g0), m128);
+      if (offsets) ov = _mm512_add_ps(ov, _mm512_maskz_loadu_ps(mk, offsets + n * G + g0));
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(mk, xs + m * G + g0), acc[m]);
     }
     const float bv = bias ? bias[n] : 0.f;
     for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]) + bv);
@@ -225,9 +226,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
       uint16_t* d = xb.data() + m * K;
       for (int64_t k = 0; k < K; k += 64)
         for (int j = 0; j < 32; ++j) { d[k + j] = r[k + 2 * j]; d[k + 32 + j] = r[k + 2 * j + 1]; }
-      if (offsets.has_value())
-        for (int64_t k = 0; k < K; ++k)
-          xs[m * G + k / group_size] += static_cast<float>(c10::BFloat16(r[k], c10::BFloat16::from_bits()));
+      for (int64_t k = 0; k < K; ++k)  // group sums, for the offset and the 128 bias
+        xs[m * G + k / group_size] += static_cast<float>(c10::BFloat16(r[k], c10::BFloat16::from_bits()));
     }
     const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
     const float* sp = scales.data_ptr<float>();
