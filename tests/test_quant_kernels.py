@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, quant_linear
+from pagoda.kernels.quant_linear import CPP_MAX_M, FORMATS, PackedWeight, cpp_supported, quant_linear
 from pagoda.quantization.methods import quantize_weight
 
 SHAPES = [(576, 1536, False), (64, 7, True), (96, 33, True), (1536, 65, False), (50, 9, True)]
@@ -80,3 +80,31 @@ def test_fp8_kernel_decodes_every_code():
         assert y.item() == row[j : j + 1].view(torch.float8_e4m3fn).float().item()
     x = torch.randn(3, k)
     torch.testing.assert_close(quant_linear(x, pw, None, use_cpp=True), _ref(x, pw, None), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("method,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("fp8", 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_dequantize_equals_the_reference(method, group, dtype):
+    """The many-row path's weight (C++ dequantize, k order restored from INT4's nibble split)."""
+    pw, _ = _case(method, 384, 37, False, group)
+    w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, FORMATS[pw.fmt], pw.group_size,
+                                          pw.in_features, dtype)
+    assert w.dtype == dtype and w.shape == (37, 384)
+    ref = pw.dequantize(torch.float32)
+    # One FMA where the reference rounds twice; bf16 then rounds once more.
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-6, rtol=2 ** -8)
+    torch.testing.assert_close(w.float(), ref, **tol)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+def test_rows_above_the_threshold_dequantize_then_gemm():
+    from torch.profiler import profile
+
+    pw, b = _case("int4", 576, 64, True, 64)
+    for m, op in ((CPP_MAX_M, "pagoda::quant_linear"), (CPP_MAX_M + 1, "pagoda::quant_dequantize")):
+        x = torch.randn(m, 576).bfloat16()
+        with profile() as prof:
+            out = quant_linear(x, pw, b)
+        assert op in {e.key for e in prof.key_averages()}
+        torch.testing.assert_close(out.float(), _ref(x.float(), pw, b), atol=3e-2, rtol=2e-2)

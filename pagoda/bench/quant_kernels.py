@@ -38,10 +38,11 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
     out: dict[str, Callable[[], object]] = {
         "fp32 F.linear": lambda: F.linear(x, w),
         "bf16 F.linear": lambda: F.linear(xb, wb),
-        "int4 pagoda": lambda: quant_linear(xb, p4, None, use_cpp=True),
-        "int8 pagoda": lambda: quant_linear(xb, p8, None, use_cpp=True),
-        "fp8 pagoda": lambda: quant_linear(xb, pf, None, use_cpp=True),
-        "int4 dequant+bf16": lambda: dequant_linear(xb, p4, None),
+        # The streaming kernel at every M (quant_linear itself switches at CPP_MAX_M).
+        "int4 pagoda": lambda: quant_linear(xb, p4, None, use_cpp=True, max_cpp_m=1 << 30),
+        "int8 pagoda": lambda: quant_linear(xb, p8, None, use_cpp=True, max_cpp_m=1 << 30),
+        "fp8 pagoda": lambda: quant_linear(xb, pf, None, use_cpp=True, max_cpp_m=1 << 30),
+        "int4 dequant(C++)+bf16": lambda: dequant_linear(xb, p4, None, use_cpp=True),
     }
     q8 = p8.data
     s8 = p8.scales.view(-1).bfloat16()

@@ -3,9 +3,10 @@
 Every format is stored as `PackedWeight`: codes plus a per-(row, group) fp32 scale and optional
 fp32 offset, w = code * scale + offset (INT4's zero point z becomes offset = -scale * z; GGUF Q4_1's
 min m is the offset directly). The CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
-which reads each packed weight once per 8 activation rows and accumulates in fp32; shapes it
-cannot take (K or group not a multiple of 32), a missing build, or another device use the torch
-fallback (dequantize, then F.linear). A CUDA path would plug in as another branch of
+which reads each packed weight once per 8 activation rows and accumulates in fp32, for up to
+CPP_MAX_M rows (decode); more rows dequantize the weight in C++ and run oneDNN's GEMM (prefill). Shapes
+the kernels cannot take (K or group not a multiple of 32), a missing build, or another device use the
+torch fallback (PackedWeight.dequantize, then F.linear). A CUDA path would plug in as another branch of
 `quant_linear`.
 """
 from __future__ import annotations
@@ -80,9 +81,10 @@ def cpp_supported(pw: PackedWeight) -> bool:
         and hasattr(torch.ops.pagoda, "quant_linear")
 
 
-# Above this many rows the torch fallback (dequantize to the activation dtype, then oneDNN) wins; set
-# from `python -m pagoda.bench.quant_kernels` on this machine (see docs/architecture.md).
-CPP_MAX_M = 1 << 30
+# Above this many rows the weight is dequantized (C++, to the activation dtype) and multiplied by
+# oneDNN's GEMM: the streaming kernel is compute-bound there. Set from `python -m
+# pagoda.bench.quant_kernels` on this machine (see docs/architecture.md).
+CPP_MAX_M = 16
 
 
 def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, use_cpp: bool | None = None,
@@ -98,9 +100,15 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, u
         return torch.ops.pagoda.quant_linear(x if x.is_contiguous() else x.contiguous(), pw.data, pw.scales,
                                              pw.offsets, None if bias is None else bias.float().contiguous(),
                                              FORMATS[pw.fmt], pw.group_size)
-    return dequant_linear(x, pw, bias)
+    return dequant_linear(x, pw, bias, use_cpp)
 
 
-def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Reference / fallback path: dequantize to x's dtype and run F.linear."""
-    return F.linear(x, pw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, use_cpp: bool = False) -> torch.Tensor:
+    """Dequantize to x's dtype (the C++ kernel where `use_cpp`, else PackedWeight.dequantize, the
+    reference) and run F.linear: the many-row path, and the fallback everywhere else."""
+    if use_cpp and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, FORMATS[pw.fmt], pw.group_size,
+                                              pw.in_features, x.dtype)
+    else:
+        w = pw.dequantize(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))

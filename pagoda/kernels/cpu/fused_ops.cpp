@@ -16,9 +16,7 @@
 #include <algorithm>
 #include <cmath>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_bf16.h"
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -135,30 +133,14 @@ inline __m512 exp16(__m512 x) {
 
 template <typename T>
 inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {  // bf16 -> fp32: the 16 bits become the high half
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-  }
-}
-
-// Round to bf16 (nearest even) and back, as a bf16 tensor would hold the value.
-inline __m512 round_bf16(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else return load_bf16x16(p);
 }
 
 template <typename T>
 inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(p, v);
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
-  }
+  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
+  else store_bf16x16(p, v);
 }
 #endif
 

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "dispatch_rows.h"
+#include "vec_bf16.h"
 
 #include <cstdint>
 #include <cstring>
@@ -182,6 +183,42 @@ void run(const float* xd, const float* xs, const uint8_t* w, int64_t row_bytes, 
 }
 #endif
 
+#if defined(PAGODA_QUANT_AVX512)
+// Dequantize rows [n0, n1) to float (O = float or c10::BFloat16): w = code * s + o, in k order.
+template <int F, typename O>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, O* out,
+                  int64_t K, int64_t G, int64_t gs, int64_t n0, int64_t n1) {
+  // decode32 gives INT4's even columns in a and odd ones in b: interleave them back.
+  const __m512i even = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i odd = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    O* orow = out + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t g = n * G + k / gs;
+      const __m512 s = _mm512_set1_ps(scales[g]);
+      const __m512 o = _mm512_set1_ps(offsets ? offsets[g] : 0.f);
+      __m512 a, b;
+      decode32<F>(wr, k, a, b);
+      if constexpr (F == kInt4) {
+        const __m512 lo = _mm512_permutex2var_ps(a, even, b);
+        b = _mm512_permutex2var_ps(a, odd, b);
+        a = lo;
+      }
+      a = _mm512_fmadd_ps(a, s, o);
+      b = _mm512_fmadd_ps(b, s, o);
+      if constexpr (std::is_same_v<O, float>) {
+        _mm512_storeu_ps(orow + k, a);
+        _mm512_storeu_ps(orow + k + 16, b);
+      } else {
+        store_bf16x16(orow + k, a);
+        store_bf16x16(orow + k + 16, b);
+      }
+    }
+  }
+}
+#endif
+
 bool quant_linear_supported(int64_t K, int64_t group_size) {
 #if defined(PAGODA_QUANT_AVX512)
   return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;
@@ -276,11 +313,50 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return y;
 }
 
+// The float weight [N, K] in `dtype` (float32 or bfloat16), for many-row inputs: there the
+// streaming kernel is compute-bound, and oneDNN's GEMM on the dequantized weight is 2-3x faster
+// (pagoda.bench.quant_kernels). Same arithmetic as PackedWeight.dequantize, rounded once to dtype.
+at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
+                            int64_t fmt, int64_t group_size, int64_t K, at::ScalarType dtype) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "quant_dequantize: unknown format");
+  TORCH_CHECK(quant_linear_supported(K, group_size), "quant_dequantize: unsupported K/group size");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bfloat16");
+  const int64_t N = w.size(0), G = K / group_size, row_bytes = fmt == kInt4 ? K / 2 : K;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == row_bytes && w.is_contiguous(), "quant_dequantize: weight shape");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
+              "quant_dequantize: scales fp32 [N, G]");
+  if (offsets.has_value())
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->numel() == N * G,
+                "quant_dequantize: offsets fp32 [N, G]");
+  auto out = at::empty({N, K}, w.options().dtype(dtype));
+#if defined(PAGODA_QUANT_AVX512)
+  const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+  auto go = [&](auto* outp) {
+    using O = std::remove_pointer_t<decltype(outp)>;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (fmt == kInt4) dequant_rows<kInt4, O>(wp, row_bytes, sp, op, outp, K, G, group_size, n0, n1);
+      else if (fmt == kInt8) dequant_rows<kInt8, O>(wp, row_bytes, sp, op, outp, K, G, group_size, n0, n1);
+      else dequant_rows<kFp8, O>(wp, row_bytes, sp, op, outp, K, G, group_size, n0, n1);
+    });
+  };
+  if (dtype == at::kFloat) go(out.data_ptr<float>());
+  else go(out.data_ptr<c10::BFloat16>());
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? offsets, Tensor? bias, int fmt, int group_size) "
         "-> Tensor");
+  m.def("quant_dequantize(Tensor w, Tensor scales, Tensor? offsets, int fmt, int group_size, int K, ScalarType dtype) "
+        "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}
