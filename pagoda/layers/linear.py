@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.kernels.linear import linear, small_m_supported
+from pagoda.kernels.linear import linear, prepack, small_m_supported
 from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, quant_linear
 
 
@@ -15,6 +15,7 @@ class Linear(nn.Linear):
     runs pagoda.kernels.quant_linear."""
 
     small_m_ok: bool = False
+    packed: torch.Tensor | None = None  # oneDNN layout of the float weight (kernels.linear.prepack)
     qweight: PackedWeight | None = None
     quant_cpp_ok: bool = False
 
@@ -34,10 +35,11 @@ class Linear(nn.Linear):
             return
         w = self.weight
         self.small_m_ok = w.device.type == "cpu" and w.is_contiguous() and small_m_supported(w.dtype, w.shape[1])
+        self.packed = prepack(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return quant_linear(x, self.qweight, self.bias, self.quant_cpp_ok)
-        return linear(x, self.weight, self.bias, self.small_m_ok)
+        return linear(x, self.weight, self.bias, self.small_m_ok, self.packed)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)
