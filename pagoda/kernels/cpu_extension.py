@@ -6,6 +6,7 @@ flags and CPU). When it cannot be built, or PAGODA_DISABLE_CPP_KERNELS=1, caller
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -29,6 +30,21 @@ _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "warned": False}
+
+
+@functools.cache
+def cpu_flags() -> str:
+    """The `flags` line of /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def has_avx512() -> bool:
+    """The kernels are built with -march=native: their vector paths need AVX-512 (F and BW)."""
+    return " avx512f" in cpu_flags() and " avx512bw" in cpu_flags()
 
 
 def disabled() -> bool:

@@ -7,32 +7,21 @@ the LM head's N = 49152 suffers most). The packed copy costs the weight's size i
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from pagoda.config import cpu_has_native_bf16
-from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.cpu_extension import cpu_flags, has_avx512, kernel_available
 
 SMALL_M = 8  # rows up to which the streaming kernel beats oneDNN/MKL (decode batches)
-
-
-@functools.cache
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:
     """The C++ kernel is built with -march=native: AVX-512 for fp32, AVX512-BF16 for bf16."""
     if dtype == torch.bfloat16:
-        ok = cpu_has_native_bf16() and "avx512_bf16" in _cpu_flags() and in_features % 32 == 0
+        ok = cpu_has_native_bf16() and "avx512_bf16" in cpu_flags() and in_features % 32 == 0
     elif dtype == torch.float32:
-        ok = "avx512f" in _cpu_flags() and in_features % 16 == 0
+        ok = has_avx512() and in_features % 16 == 0
     else:
         return False
     return ok and kernel_available()

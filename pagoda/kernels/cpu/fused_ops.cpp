@@ -31,30 +31,66 @@ inline void st(T* p, int64_t i, float v) { p[i] = static_cast<T>(v); }
 // Rows are processed in parallel only when there are enough of them to pay for it.
 constexpr int64_t kGrain = 16;
 
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else return load_bf16x16(p);
+}
+
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
+  else store_bf16x16(p, v);
+}
+
+// The value a T tensor would hold (bf16: rounded; fp32: as is).
+template <typename T>
+inline __m512 as_stored(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return round_bf16(v);
+}
+#endif
+
+// One row: (residual += x, then) out = w * T(v * inv_rms(v)), v the stored row, rounded like the unfused ops.
+template <typename T>
+void rms_norm_row(const T* xr, T* orow, T* rr, const T* w, int64_t dim, float eps) {
+  const T* v = rr ? rr : xr;
+  float sumsq = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= dim; i += 16) {
+    __m512 x = load16(xr + i);
+    if (rr) {
+      x = as_stored<T>(_mm512_add_ps(load16(rr + i), x));
+      store16(rr + i, x);
+    }
+    acc = _mm512_fmadd_ps(x, x, acc);
+  }
+  sumsq = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < dim; ++i) {
+    if (rr) st(rr, i, ld(rr, i) + ld(xr, i));
+    const float x = ld(v, i);
+    sumsq += x * x;
+  }
+  const float inv = 1.f / std::sqrt(sumsq / dim + eps);
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= dim; i += 16)
+    store16(orow + i, _mm512_mul_ps(load16(w + i), as_stored<T>(_mm512_mul_ps(load16(v + i), iv))));
+#endif
+  for (; i < dim; ++i) st(orow, i, ld(w, i) * static_cast<float>(static_cast<T>(ld(v, i) * inv)));
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, T* residual, int64_t res_stride,
                    const T* w, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, kGrain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * x_stride;
-      T* orow = out + r * out_stride;
-      float sumsq = 0.f;
-      if (residual) {  // residual += x; normalize the new residual (HF adds before the norm)
-        T* rr = residual + r * res_stride;
-        for (int64_t i = 0; i < dim; ++i) {
-          float v = ld(rr, i) + ld(xr, i);
-          st(rr, i, v);
-          float vr = ld(rr, i);  // the stored value, rounded like the unfused path
-          sumsq += vr * vr;
-        }
-        const float inv = 1.f / std::sqrt(sumsq / dim + eps);
-        for (int64_t i = 0; i < dim; ++i) st(orow, i, ld(w, i) * static_cast<float>(static_cast<T>(ld(rr, i) * inv)));
-      } else {
-        for (int64_t i = 0; i < dim; ++i) { float v = ld(xr, i); sumsq += v * v; }
-        const float inv = 1.f / std::sqrt(sumsq / dim + eps);
-        for (int64_t i = 0; i < dim; ++i) st(orow, i, ld(w, i) * static_cast<float>(static_cast<T>(ld(xr, i) * inv)));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      rms_norm_row(x + r * x_stride, out + r * out_stride, residual ? residual + r * res_stride : nullptr, w, dim, eps);
   });
 }
 
@@ -131,17 +167,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
-  else return load_bf16x16(p);
-}
-
-template <typename T>
-inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
-  else store_bf16x16(p, v);
-}
 #endif
 
 // One row of silu(gate) * up; silu(gate) is rounded to the dtype first, as the unfused
