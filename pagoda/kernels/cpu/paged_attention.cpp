@@ -24,6 +24,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_bf16.h"
+
 namespace {
 
 // Portable SIMD through GCC/Clang vector extensions: the compiler lowers them to
@@ -201,6 +203,43 @@ template <int R> struct QK { template <typename... A> static void run(A... a) { 
 template <int R> struct PV { template <typename... A> static void run(A... a) { pv_tile<R>(a...); } };
 static_assert(RB == 8, "dispatch_rows covers 1..8 rows");
 
+#if defined(__AVX512F__)
+// dst[j][i] = src[i][j] for a 16x16 fp32 block (rows lds / ldd floats apart): pairs, then quads
+// within 128-bit lanes, then the lanes themselves. ~50 shuffles where a scalar loop moves 256 floats.
+inline void transpose16x16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int a = 0; a < 4; ++a) {  // u[4a + c], 128-bit lane L: column 4L + c of rows 4a..4a+3
+    u[4 * a + 0] = _mm512_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0x44);
+    u[4 * a + 1] = _mm512_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0xEE);
+    u[4 * a + 2] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0x44);
+    u[4 * a + 3] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(v0, v2, 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(v1, v3, 0x88));
+    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+  }
+}
+
+// One cache row of D (multiple of 16) values into fp32.
+template <typename C>
+inline void row_to_f32(const C* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) {
+    if constexpr (std::is_same<C, float>::value) _mm512_storeu_ps(dst + d, _mm512_loadu_ps(src + d));
+    else _mm512_storeu_ps(dst + d, load_bf16x16(src + d));
+  }
+}
+#endif
+
 struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) within the sequence
   int64_t cost;
@@ -219,10 +258,10 @@ struct Args {
 
 // Per-thread scratch, sized once per call.
 struct Scratch {
-  std::vector<float> q, s, o, kt, vbuf, m, l, zeros;
+  std::vector<float> q, s, o, kt, kr, vbuf, m, l, zeros;
   std::vector<const float*> vrows;
   Scratch(int64_t rows, int64_t D)
-      : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), vbuf(KC * D), m(rows), l(rows * W),
+      : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), kr(KC * D), vbuf(KC * D), m(rows), l(rows * W),
         zeros(D, 0.f), vrows(KC) {}
 };
 
@@ -264,6 +303,33 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     const int nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0));
     // Gather the chunk: K transposed to [D][KC] fp32, V as row pointers (fp32 cache
     // is read in place; bf16 is converted into scratch).
+#if defined(__AVX512F__)
+    if constexpr (!kQuantized<C>) {  // K rows staged row-major in fp32, then transposed 16x16 at a time
+      float* Kr = sc.kr.data();
+      for (int j = 0; j < KC; ++j) {
+        if (j >= nk) {  // padding keys never touch the cache (it may hold NaN garbage); they are masked
+          std::fill(Kr + j * D, Kr + (j + 1) * D, 0.f);
+          vrows[j] = sc.zeros.data();
+          continue;
+        }
+        const int64_t pos = c0 + j;
+        const int64_t blk = bt[pos / bs], off = pos % bs;
+        const C* krow = kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2;
+        const C* vrow = vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2;
+        row_to_f32(krow, Kr + j * D, D);
+        if constexpr (std::is_same<C, float>::value) {
+          vrows[j] = vrow;
+        } else {
+          float* vb = sc.vbuf.data() + j * D;
+          row_to_f32(vrow, vb, D);
+          vrows[j] = vb;
+        }
+      }
+      for (int jb = 0; jb < KC; jb += 16)
+        for (int64_t db = 0; db < D; db += 16) transpose16x16(Kr + jb * D + db, D, Kt + db * KC + jb, KC);
+    } else
+#endif
+    {
     for (int j = 0; j < nk; ++j) {
       const int64_t pos = c0 + j;
       const int64_t blk = bt[pos / bs], off = pos % bs;
@@ -292,6 +358,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     for (int j = nk; j < KC; ++j) {
       for (int64_t d = 0; d < D; ++d) Kt[d * KC + j] = 0.f;
       vrows[j] = sc.zeros.data();
+    }
     }
 
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
