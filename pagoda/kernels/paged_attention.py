@@ -27,6 +27,14 @@ def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, quantized: bool) ->
             and (quantized or k_cache.dtype == q.dtype) and q.shape[-1] % 16 == 0 and k_cache.stride(-1) == 1)
 
 
+def fused_attention_supported(qkv: torch.Tensor, k_cache: torch.Tensor | None, quantized: bool) -> bool:
+    """Whether torch.ops.pagoda.rope_cache_attention takes this layer's tensors: what the rope,
+    write_kv and paged_attention kernels each need (the C++ ops themselves are available: the
+    caller checked kernel_available()). The model runner's metadata is int32 already."""
+    return (k_cache is not None and qkv.dim() == 2 and qkv.stride(1) == 1 and k_cache.is_contiguous()
+            and _kernel_supports(qkv, k_cache, quantized))
+
+
 def _i32(t: torch.Tensor) -> torch.Tensor:
     # skip the no-op calls: this runs once per layer per step
     if t.dtype != torch.int32:

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from pagoda.kernels.fused_ops import write_kv_cache
-from pagoda.kernels.paged_attention import paged_attention
+from pagoda.kernels.paged_attention import fused_attention_supported, paged_attention
+from pagoda.layers.rotary import RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -32,6 +33,20 @@ class PagedAttention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.kernel: bool | None = None  # set by the model's prepare()
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    rope: RotaryEmbedding) -> torch.Tensor:
+        """Fused qkv rows [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]: RoPE, the cache write and attention, in
+        one C++ call where the kernels take these tensors (kernels/cpu/attention_block.cpp)."""
+        if self.kernel and fused_attention_supported(qkv, self.k_cache, self.k_scale is not None):
+            return torch.ops.pagoda.rope_cache_attention(
+                qkv, positions, rope.cos, rope.sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, self.num_heads,
+                self.num_kv_heads, self.k_scale, self.v_scale)
+        T, D = qkv.shape[0], self.head_dim
+        rope.forward_(positions, qkv, self.num_heads, self.num_kv_heads, D)
+        q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        return self.forward(q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D), meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq*D]."""

@@ -29,14 +29,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.attention_bias and not _is_qwen2(a))
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim)
         self.rope = rope
-        self.head_dim = a.head_dim
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        T, D = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
-        self.rope.forward_(positions, qkv, self.attn.num_heads, self.attn.num_kv_heads, D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D), meta))
+        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), positions, meta, self.rope))
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)
 

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops.h"
 #include "vec_bf16.h"
 #include <cstdint>
 #include <cstring>
@@ -285,6 +286,18 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
 }
 
 }  // namespace
+
+namespace pagoda_cpu {
+void rope(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  rope_cpu(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim);
+}
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& k_scale,
+              const c10::optional<at::Tensor>& v_scale) {
+  write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+}
+}  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");

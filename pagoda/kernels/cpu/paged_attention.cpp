@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec_bf16.h"
 
 namespace {
@@ -518,6 +519,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 }  // namespace
+
+namespace pagoda_cpu {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale) {
+  return paged_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale);
+}
+}  // namespace pagoda_cpu
 
 // FRAGMENT so other pagoda C++ sources can add ops to the same namespace.
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {

@@ -1,0 +1,22 @@
+// Kernels one C++ source calls in another (each file keeps its helpers in an anonymous namespace;
+// these are thin exported entry points to the registered ops, same checks and arithmetic).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace pagoda_cpu {
+
+void rope(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping, const c10::optional<at::Tensor>& k_scale,
+              const c10::optional<at::Tensor>& v_scale);
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale);
+
+}  // namespace pagoda_cpu
