@@ -146,3 +146,40 @@ def test_write_then_attend_decode_step():
     want = dense_sdpa(q, dk2, dv2, qsl, sl2, 0.125)
     torch.testing.assert_close(pa.paged_attention(q, kc, vc, bt, qsl, sl2, 0.125), want,
                                atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,kv_dtype",
+                         [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8)])
+def test_fused_rope_cache_attention_equals_the_three_ops(dtype, kv_dtype):
+    """rope_cache_attention (one call per layer) = rope_, then write_kv_, then paged_attention."""
+    from pagoda.kernels.fused_ops import rope_
+    from pagoda.layers.rotary import RotaryEmbedding
+
+    hq, hkv, d, bs = 6, 2, 32, 16
+    specs = [(1, 37), (5, 5), (17, 50)]  # decode, prefill, chunked prefill over earlier context
+    _, k_cache, v_cache, tables, qsl, seq_lens, _, _ = make_batch(specs, hq, hkv, d, bs, dtype)
+    scales = None
+    if kv_dtype is not None:
+        k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+        scales = (torch.rand(k_cache.shape[:3]) + 0.5, torch.rand(k_cache.shape[:3]) + 0.5)
+    T = int(qsl[-1])
+    positions = torch.cat([torch.arange(s - q, s) for q, s in specs])
+    slots = torch.cat([tables[b, p // bs].long() * bs + p % bs
+                       for b, (q, s) in enumerate(specs) for p in [torch.arange(s - q, s)]])
+    rope = RotaryEmbedding(d, 256, 10000.0, None)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d).to(dtype)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    s2 = None if scales is None else (scales[0].clone(), scales[1].clone())
+    fused = torch.ops.pagoda.rope_cache_attention(
+        qkv.clone(), positions, rope.cos, rope.sin, k_cache, v_cache, slots, tables, qsl, seq_lens, d ** -0.5,
+        hq, hkv, *(scales or ()))
+    ref_qkv = qkv.clone()
+    rope_(ref_qkv, positions, rope.cos, rope.sin, hq, hkv, d)
+    q, k, v = ref_qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    write_kv_cache(k.view(T, hkv, d), v.view(T, hkv, d), kc2, vc2, slots, *(s2 or ()))
+    ref = pa.paged_attention(q.reshape(T, hq, d), kc2, vc2, tables, qsl, seq_lens, d ** -0.5, *(s2 or ()))
+    exact = dict(atol=0, rtol=0, equal_nan=True)  # unused cache slots hold NaN on purpose
+    torch.testing.assert_close(k_cache, kc2, **exact)
+    torch.testing.assert_close(v_cache, vc2, **exact)
+    torch.testing.assert_close(fused, ref.reshape(T, hq * d), atol=0, rtol=0)
