@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.linear import linear, prepack
 from pagoda.kernels.quant_linear import dequant_linear, quant_linear
 from pagoda.quantization.methods import quantize_weight
 
@@ -34,10 +35,14 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
     w = torch.randn(n, k) / k**0.5
     x = torch.randn(m, k)
     xb, wb = x.bfloat16(), w.bfloat16()
+    p32, p16 = prepack(w), prepack(wb)
     p4, p8, pf = quantize_weight("int4", w, 128), quantize_weight("int8", w), quantize_weight("fp8", w)
     out: dict[str, Callable[[], object]] = {
         "fp32 F.linear": lambda: F.linear(x, w),
         "bf16 F.linear": lambda: F.linear(xb, wb),
+        # What pagoda's dense Linear runs above SMALL_M rows (oneDNN on a weight packed at load).
+        "fp32 prepacked": lambda: linear(x, w, None, small_m_ok=False, packed=p32),
+        "bf16 prepacked": lambda: linear(xb, wb, None, small_m_ok=False, packed=p16),
         # The streaming kernel at every M (quant_linear itself switches at CPP_MAX_M).
         "int4 pagoda": lambda: quant_linear(xb, p4, None, use_cpp=True, max_cpp_m=1 << 30),
         "int8 pagoda": lambda: quant_linear(xb, p8, None, use_cpp=True, max_cpp_m=1 << 30),

@@ -34,10 +34,10 @@ _state: dict[str, object] = {"tried": False, "ok": False, "warned": False}
 
 @functools.cache
 def cpu_flags() -> str:
-    """The `flags` line of /proc/cpuinfo ("" where there is none)."""
+    """The `flags` (x86) or `Features` (Arm) line of /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
 
@@ -53,14 +53,7 @@ def disabled() -> bool:
 
 def _cpu_fingerprint() -> str:
     """-march=native output is CPU specific: a shared home dir must not reuse a build."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
+    return cpu_flags() or platform.processor()
 
 
 def build_directory() -> Path:

@@ -1,9 +1,9 @@
 """Dense linear op: a weight-streaming kernel for the few-row (decode) case, and oneDNN's GEMM on a
 weight packed once at load for everything else.
 
-Measured on this machine (SmolLM2 shapes, M = 9..200): oneDNN on a prepacked weight runs 1.2-1.6x
-faster than F.linear in bf16 and 1.3-4.5x in fp32 (F.linear re-lays the weight out on every call;
-the LM head's N = 49152 suffers most). The packed copy costs the weight's size in memory again.
+On SmolLM2's shapes oneDNN on a prepacked weight beats F.linear (which re-lays the weight out on every
+call) from M = 9 up, in fp32 by the most: `python -m pagoda.bench.quant_kernels`. The packed copy
+costs the weight's size in memory again.
 """
 from __future__ import annotations
 

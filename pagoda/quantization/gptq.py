@@ -26,11 +26,11 @@ from torch import nn
 
 from pagoda.quantization.calibration import LINEAR_GROUPS, LayerInputs, capture_inputs
 from pagoda.quantization.int4_format import (
-    QMAX,
     Int4Weight,
     effective_group_size,
     group_params,
     pack_int4,
+    round_codes,
 )
 
 
@@ -121,7 +121,7 @@ def _quantize_columns(w: torch.Tensor, hinv: torch.Tensor, codes: torch.Tensor, 
                 scales[:, grp], zeros[:, grp] = s[:, 0], z[:, 0]
             s, z = scales[:, grp], zeros[:, grp]
             wc = w1[:, i]
-            q = torch.clamp(torch.round(wc / s + z), 0, QMAX)
+            q = round_codes(wc, s, z)
             codes[:, col] = q
             err = (wc - (q - z) * s) / hinv1[i, i]
             w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)

@@ -81,15 +81,19 @@ def group_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
 
 def _sq_error(g: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     s, z = s.unsqueeze(-1), z.unsqueeze(-1)
-    q = torch.clamp(torch.round(g / s + z), 0, QMAX)
-    return ((q - z) * s - g).pow(2).sum(-1)
+    return ((round_codes(g, s, z) - z) * s - g).pow(2).sum(-1)
+
+
+def round_codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The INT4 rounding rule, q = clamp(round(w / s + z), 0, 15), as float (s, z broadcast to w)."""
+    return torch.clamp(torch.round(w / s + z), 0, QMAX)
 
 
 def quantize_codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """Round W to codes given per-group (scale, zero): q = clamp(round(w / s + z), 0, 15)."""
     s = scales.repeat_interleave(group_size, dim=1)
     z = zeros.repeat_interleave(group_size, dim=1)
-    return torch.clamp(torch.round(w.float() / s + z), 0, QMAX).to(torch.uint8)
+    return round_codes(w.float(), s, z).to(torch.uint8)
 
 
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -32,27 +32,6 @@ inline void st(T* p, int64_t i, float v) { p[i] = static_cast<T>(v); }
 // Rows are processed in parallel only when there are enough of them to pay for it.
 constexpr int64_t kGrain = 16;
 
-#if defined(__AVX512F__)
-template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
-  else return load_bf16x16(p);
-}
-
-template <typename T>
-inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
-  else store_bf16x16(p, v);
-}
-
-// The value a T tensor would hold (bf16: rounded; fp32: as is).
-template <typename T>
-inline __m512 as_stored(__m512 v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return round_bf16(v);
-}
-#endif
-
 // One row: (residual += x, then) out = w * T(v * inv_rms(v)), v the stored row, rounded like the unfused ops.
 template <typename T>
 void rms_norm_row(const T* xr, T* orow, T* rr, const T* w, int64_t dim, float eps) {
@@ -178,8 +157,8 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t I) {
 #if defined(__AVX512F__)
   for (; i + 16 <= I; i += 16) {
     const __m512 gv = load16(g + i);
-    __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    if constexpr (!std::is_same_v<T, float>) sv = round_bf16(sv);
+    const __m512 sv = as_stored<T>(
+        _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
     store16(o + i, _mm512_mul_ps(sv, load16(u + i)));
   }
 #endif

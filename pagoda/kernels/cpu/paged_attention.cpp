@@ -234,10 +234,7 @@ inline void transpose16x16(const float* src, int64_t lds, float* dst, int64_t ld
 // One cache row of D (multiple of 16) values into fp32.
 template <typename C>
 inline void row_to_f32(const C* src, float* dst, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) {
-    if constexpr (std::is_same<C, float>::value) _mm512_storeu_ps(dst + d, _mm512_loadu_ps(src + d));
-    else _mm512_storeu_ps(dst + d, load_bf16x16(src + d));
-  }
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
 }
 #endif
 

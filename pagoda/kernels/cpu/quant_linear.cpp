@@ -205,15 +205,8 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, cons
         b = _mm512_permutex2var_ps(a, odd, b);
         a = lo;
       }
-      a = _mm512_fmadd_ps(a, s, o);
-      b = _mm512_fmadd_ps(b, s, o);
-      if constexpr (std::is_same_v<O, float>) {
-        _mm512_storeu_ps(orow + k, a);
-        _mm512_storeu_ps(orow + k + 16, b);
-      } else {
-        store_bf16x16(orow + k, a);
-        store_bf16x16(orow + k + 16, b);
-      }
+      store16(orow + k, _mm512_fmadd_ps(a, s, o));
+      store16(orow + k + 16, _mm512_fmadd_ps(b, s, o));
     }
   }
 }
