@@ -48,11 +48,13 @@ def test_bf16_activations_and_3d_input(method):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
-def test_cpp_kernel_really_runs_and_covers_all_groups():
-    # Groups of 32/64/128 and GGUF-style offsets (Q4_1: w = d*q + m) through the C++ op itself.
+@pytest.mark.parametrize("n", [43, 131])
+def test_cpp_kernel_really_runs_and_covers_all_groups(n):
+    # Groups of 32/64/128 and GGUF-style offsets (Q4_1: w = d*q + m) through the C++ op itself. Row counts
+    # that are not a multiple of 4 take the single-row tail of the M = 1 kernel (4 weight rows per pass).
     torch.manual_seed(1)
     for g in (32, 64, 128):
-        pw = quantize_weight("int4", torch.randn(40, 384), g)
+        pw = quantize_weight("int4", torch.randn(n, 384), g)
         assert pw.group_size == g and cpp_supported(pw)
         for m in (1, 5, 11):  # fp32 activations: fp32 FMA path; bf16: the AVX512-BF16 dot path (K % 64 == 0)
             x = torch.randn(m, 384)

@@ -105,55 +105,76 @@ void rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float*
 // cross-lane table lookup. xb holds x as bf16 with each 64-column chunk split into [even | odd] columns,
 // matching the low/high nibbles of its 32 bytes. For 32-wide groups a chunk spans two groups: fp32
 // lanes 0..7 of the dot products belong to the first, 8..15 to the second.
-template <int M>
+// R weight rows go through together: their dot-product chains are independent (at M = 1 one row's
+// chain is latency-bound) and share each activation load. 1.2-1.4x over R = 1 at M = 1 on Zen 4.
+template <int M, int R>
 void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets,
                     const float* bias, const uint16_t* xb, const float* xs, c10::BFloat16* y, int64_t ldy, int64_t K,
                     int64_t G, int64_t gs, int64_t n0, int64_t n1) {
   const __m512i nib = _mm512_set1_epi16(0xF);
   const __m512i b128 = _mm512_set1_epi16(0x4300);  // bf16 bits of 128.0
   const __m512 m128 = _mm512_set1_ps(-128.f);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    const float* sr = scales + n * G;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    auto chunk = [&](int64_t k, __m512 (&gacc)[M]) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k / 2)));
-      const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, nib), b128);
-      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), b128);
-      for (int m = 0; m < M; ++m) {
-        gacc[m] = _mm512_dpbf16_ps(gacc[m], lo, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
-        gacc[m] = _mm512_dpbf16_ps(gacc[m], hi, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32));
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    auto chunk = [&](int64_t k, __m512 (&gacc)[R][M]) {
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * row_bytes + k / 2)));
+        const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, nib), b128);
+        const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), b128);
+        for (int m = 0; m < M; ++m) {
+          gacc[r][m] = _mm512_dpbf16_ps(gacc[r][m], lo, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
+          gacc[r][m] = _mm512_dpbf16_ps(gacc[r][m], hi, (__m512bh)_mm512_loadu_si512(xb + m * K + k + 32));
+        }
+      }
+    };
+    auto scale_into_acc = [&](const __m512 (&gacc)[R][M], auto scale_of_row) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = scale_of_row(scales + (n + r) * G);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(gacc[r][m], s, acc[r][m]);
       }
     };
     if (gs == 32) {
       for (int64_t k = 0; k < K; k += 64) {
-        __m512 gacc[M];
-        for (int m = 0; m < M; ++m) gacc[m] = _mm512_setzero_ps();
+        __m512 gacc[R][M];
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < M; ++m) gacc[r][m] = _mm512_setzero_ps();
         chunk(k, gacc);
         const int64_t g = k / 32;
-        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(sr[g]), _mm256_set1_ps(sr[g + 1]), 1);
-        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(gacc[m], s, acc[m]);
+        scale_into_acc(gacc, [&](const float* sr) {
+          return _mm512_insertf32x8(_mm512_set1_ps(sr[g]), _mm256_set1_ps(sr[g + 1]), 1);
+        });
       }
     } else {
       for (int64_t g = 0; g < G; ++g) {
-        __m512 gacc[M];
-        for (int m = 0; m < M; ++m) gacc[m] = _mm512_setzero_ps();
+        __m512 gacc[R][M];
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < M; ++m) gacc[r][m] = _mm512_setzero_ps();
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 64) chunk(k, gacc);
-        const __m512 s = _mm512_set1_ps(sr[g]);
-        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(gacc[m], s, acc[m]);
+        scale_into_acc(gacc, [&](const float* sr) { return _mm512_set1_ps(sr[g]); });
       }
     }
-    // sum_g (offset[n, g] - 128 * scale[n, g]) * sum(x over g), 16 groups per vector, into the same accumulators
-    for (int64_t g0 = 0; g0 < G; g0 += 16) {
-      const __mmask16 mk = G - g0 >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                        : static_cast<__mmask16>((1u << (G - g0)) - 1);
-      __m512 ov = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + g0), m128);
-      if (offsets) ov = _mm512_add_ps(ov, _mm512_maskz_loadu_ps(mk, offsets + n * G + g0));
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(mk, xs + m * G + g0), acc[m]);
+    for (int r = 0; r < R; ++r) {
+      const float* sr = scales + (n + r) * G;
+      // sum_g (offset[n, g] - 128 * scale[n, g]) * sum(x over g), 16 groups per vector, into the same accumulators
+      for (int64_t g0 = 0; g0 < G; g0 += 16) {
+        const __mmask16 mk = G - g0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (G - g0)) - 1);
+        __m512 ov = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + g0), m128);
+        if (offsets) ov = _mm512_add_ps(ov, _mm512_maskz_loadu_ps(mk, offsets + (n + r) * G + g0));
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm512_fmadd_ps(ov, _mm512_maskz_loadu_ps(mk, xs + m * G + g0), acc[r][m]);
+      }
+      const float bv = bias ? bias[n + r] : 0.f;
+      for (int m = 0; m < M; ++m)
+        y[m * ldy + n + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][m]) + bv);
     }
-    const float bv = bias ? bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]) + bv);
+  }
+  if constexpr (R > 1) {
+    if (n < n1) rows_int4_bf16<M, 1>(w, row_bytes, scales, offsets, bias, xb, xs, y, ldy, K, G, gs, n, n1);
   }
 }
 #endif
@@ -266,8 +287,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     auto* yp = y.data_ptr<c10::BFloat16>();
     run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
       dispatch_m(mc, [&](auto c) {
-        rows_int4_bf16<decltype(c)::value>(wp, row_bytes, sp, op, bp, xb.data() + m0 * K, xs.data() + m0 * G,
-                                           yp + m0 * N, N, K, G, group_size, n0, n1);
+        // Four weight rows per pass at M = 1 (at M >= 2 the rows already give independent chains).
+        constexpr int Mc = decltype(c)::value, R = Mc == 1 ? 4 : 1;
+        rows_int4_bf16<Mc, R>(wp, row_bytes, sp, op, bp, xb.data() + m0 * K, xs.data() + m0 * G, yp + m0 * N, N, K,
+                              G, group_size, n0, n1);
       });
     });
     return y;
