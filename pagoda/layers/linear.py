@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.kernels.linear import linear, prepack, small_m_supported
-from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, quant_linear
+from pagoda.kernels.decoder_stack import LinearArgs
+from pagoda.kernels.linear import SMALL_M, linear, prepack, small_m_supported
+from pagoda.kernels.quant_linear import CPP_MAX_M, FORMATS, PackedWeight, cpp_supported, quant_linear
 
 
 class Linear(nn.Linear):
@@ -36,6 +37,15 @@ class Linear(nn.Linear):
         w = self.weight
         self.small_m_ok = w.device.type == "cpu" and w.is_contiguous() and small_m_supported(w.dtype, w.shape[1])
         self.packed = prepack(w)
+
+    def stack_args(self) -> LinearArgs | None:
+        """This layer as the C++ decoder stack takes it (kernels/decoder_stack.py), after prepare();
+        None where its few-row path is not a C++ streaming kernel."""
+        pw = self.qweight
+        if pw is not None:
+            return ([pw.data, pw.scales, pw.offsets, self.bias], FORMATS[pw.fmt], pw.group_size, CPP_MAX_M) \
+                if self.quant_cpp_ok else None
+        return ([self.weight, None, None, self.bias], -1, 0, SMALL_M) if self.small_m_ok else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:

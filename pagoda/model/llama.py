@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.decoder_stack import DecoderStack
 from pagoda.kernels.fused_ops import silu_and_mul
 from pagoda.layers.attention import AttentionMetadata, PagedAttention
 from pagoda.layers.linear import Linear
@@ -84,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.stack: DecoderStack | None = None  # the layers as one C++ op for few-row steps (prepare())
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -92,6 +94,10 @@ class LlamaForCausalLM(nn.Module):
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. `num_layers` exits early (self-speculative drafts)."""
         x = self.embed_tokens(input_ids)
+        stack = self.stack
+        if stack is not None and stack.takes(x):
+            x, residual = stack(x, positions, meta, len(self.layers) if num_layers is None else num_layers)
+            return self.norm(x, residual)
         residual = None
         # Not self.layers[:n]: slicing a ModuleList builds a new one every step.
         for layer in self.layers if num_layers is None else islice(self.layers, num_layers):
@@ -111,6 +117,17 @@ class LlamaForCausalLM(nn.Module):
             # and nn.Module.__setattr__ drops these entries if a name is ever reassigned.
             m.__dict__.update(m._modules)
             m.__dict__.update(m._parameters)
+        self.stack = self._decoder_stack() if use_kernels else None
+
+    def _decoder_stack(self) -> DecoderStack | None:
+        norms, linears = [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            linears += [p.stack_args() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        first = self.layers[0]
+        return DecoderStack.build(norms, linears, first.input_layernorm.eps,
+                                  [layer.self_attn.attn for layer in self.layers], first.self_attn.rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

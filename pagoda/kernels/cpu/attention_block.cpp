@@ -33,6 +33,18 @@ at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, co
 
 }  // namespace
 
+namespace pagoda_cpu {
+at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                                const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                                int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& k_scale,
+                                const c10::optional<at::Tensor>& v_scale) {
+  return ::rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                                query_start_loc, seq_lens, scale, num_heads, num_kv_heads, k_scale, v_scale);
+}
+}  // namespace pagoda_cpu
+
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def(
       "rope_cache_attention(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "

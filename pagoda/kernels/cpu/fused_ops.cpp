@@ -276,6 +276,11 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               const c10::optional<at::Tensor>& v_scale) {
   write_kv_cpu(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& residual) {
+  return rms_norm_cpu(x, weight, eps, residual);
+}
+at::Tensor silu_and_mul(const at::Tensor& x) { return silu_and_mul_cpu(x); }
 }  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {

@@ -19,4 +19,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k_scale,
                            const c10::optional<at::Tensor>& v_scale);
 
+at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                                const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                                int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& k_scale,
+                                const c10::optional<at::Tensor>& v_scale);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const c10::optional<at::Tensor>& residual);
+
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias, int64_t fmt,
+                        int64_t group_size);
+
 }  // namespace pagoda_cpu

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "dispatch_rows.h"
+#include "ops.h"
 #include "vec_bf16.h"
 
 #include <cstdint>
@@ -364,6 +365,14 @@ at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const
 }
 
 }  // namespace
+
+namespace pagoda_cpu {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias, int64_t fmt,
+                        int64_t group_size) {
+  return ::quant_linear(x, w, scales, offsets, bias, fmt, group_size);
+}
+}  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? offsets, Tensor? bias, int fmt, int group_size) "

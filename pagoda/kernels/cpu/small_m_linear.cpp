@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "dispatch_rows.h"
+#include "ops.h"
 
 #include <cstdint>
 #include <type_traits>
@@ -114,6 +115,12 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::o
 }
 
 }  // namespace
+
+namespace pagoda_cpu {
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return ::small_m_linear(x, w, bias);
+}
+}  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("small_m_linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");

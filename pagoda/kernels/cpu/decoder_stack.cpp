@@ -1,0 +1,88 @@
+// The decoder layers of a Llama-family model as one op, for steps of a few rows (decode).
+//
+// At decode each op of a layer is microseconds of work, and from Python a layer is eight op calls
+// (two norms, four linears, attention, SiLU), each paying the interpreter and the dispatcher: ~70 us
+// a layer, ~2 ms of a 30-layer step. Here the same kernels run back to back in C++, so a step pays
+// that once. Every kernel is the one the Python path calls (ops.h), so the output is bit-identical.
+//
+// Per layer l: norms[2l], norms[2l+1] are the input and post-attention RMSNorm weights; linears
+// holds qkv, o, gate_up, down in that order, each as four entries (weight or codes, scales, offsets,
+// bias); formats[4l + i] is -1 for a dense weight (small_m_linear) or a quant_linear format, with
+// group_sizes[4l + i] its group size.
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kLinearsPerLayer = 4, kEntriesPerLinear = 4;
+
+at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& linears, int64_t index,
+                      int64_t fmt, int64_t group_size) {
+  const int64_t base = index * kEntriesPerLinear;
+  const c10::optional<at::Tensor> w = linears.get(base), scales = linears.get(base + 1),
+                                  offsets = linears.get(base + 2), bias = linears.get(base + 3);
+  TORCH_CHECK(w.has_value(), "decoder_stack: linear ", index, " has no weight");
+  if (fmt < 0) return pagoda_cpu::small_m_linear(x, *w, bias);
+  TORCH_CHECK(scales.has_value(), "decoder_stack: quantized linear ", index, " has no scales");
+  return pagoda_cpu::quant_linear(x, *w, *scales, offsets, bias, fmt, group_size);
+}
+
+// Returns (h, residual): the last layer's output and the running residual, for the final norm.
+std::tuple<at::Tensor, at::Tensor> decoder_stack(
+    const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens, at::TensorList k_caches, at::TensorList v_caches,
+    const c10::List<c10::optional<at::Tensor>>& k_scales, const c10::List<c10::optional<at::Tensor>>& v_scales,
+    at::TensorList norms, const c10::List<c10::optional<at::Tensor>>& linears, at::IntArrayRef formats,
+    at::IntArrayRef group_sizes, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
+    int64_t num_layers) {
+  const int64_t L = num_layers;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_stack: x must be [T, H] contiguous");
+  TORCH_CHECK(L >= 1 && static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L &&
+                  static_cast<int64_t>(k_scales.size()) >= L && static_cast<int64_t>(v_scales.size()) >= L &&
+                  static_cast<int64_t>(norms.size()) >= 2 * L &&
+                  static_cast<int64_t>(linears.size()) >= L * kLinearsPerLayer * kEntriesPerLinear &&
+                  static_cast<int64_t>(formats.size()) >= L * kLinearsPerLayer &&
+                  static_cast<int64_t>(group_sizes.size()) >= L * kLinearsPerLayer,
+              "decoder_stack: per-layer lists are shorter than num_layers");
+  at::Tensor h = x, residual;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t li = l * kLinearsPerLayer;
+    at::Tensor a;
+    if (l == 0) {
+      residual = x.clone();
+      a = pagoda_cpu::rms_norm(h, norms[0], eps, c10::nullopt);
+    } else {
+      a = pagoda_cpu::rms_norm(h, norms[2 * l], eps, residual);
+    }
+    at::Tensor qkv = run_linear(a, linears, li, formats[li], group_sizes[li]);
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    a = pagoda_cpu::rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                                         query_start_loc, seq_lens, scale, num_heads, num_kv_heads, k_scales.get(l),
+                                         v_scales.get(l));
+    a = run_linear(a, linears, li + 1, formats[li + 1], group_sizes[li + 1]);
+    a = pagoda_cpu::rms_norm(a, norms[2 * l + 1], eps, residual);
+    a = pagoda_cpu::silu_and_mul(run_linear(a, linears, li + 2, formats[li + 2], group_sizes[li + 2]));
+    h = run_linear(a, linears, li + 3, formats[li + 3], group_sizes[li + 3]);
+  }
+  return {h, residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def(
+      "decoder_stack(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+      "Tensor(c!)?[] k_scales, Tensor(d!)?[] v_scales, Tensor[] norms, Tensor?[] linears, int[] formats, "
+      "int[] group_sizes, float eps, float scale, int num_heads, int num_kv_heads, int num_layers) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("decoder_stack", &decoder_stack); }

@@ -1,0 +1,71 @@
+"""A model's decoder layers as one C++ op call for steps of a few rows (kernels/cpu/decoder_stack.cpp).
+
+A decode step runs ~8 small ops per layer, and each op call from Python costs a few microseconds of
+interpreter and dispatcher time that the work itself does not: ~2 ms of a 30-layer step. The stack
+runs the same kernels in one call, so its output is bit-identical to the layer-by-layer path, which
+stays the path for larger steps (prefill), where the kernels differ and call overhead is amortized.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.kernels.paged_attention import fused_attention_supported
+
+# One linear as the op takes it: [weight or codes, scales, offsets, bias], format (-1: dense weight,
+# else a quant_linear format), group size, and the most rows its streaming kernel takes.
+LinearArgs = tuple[list[torch.Tensor | None], int, int, int]
+
+
+@dataclass
+class DecoderStack:
+    """Per-layer tensors in the op's flat order, gathered once when the weights are final."""
+
+    norms: list[torch.Tensor]            # input and post-attention RMSNorm weight of each layer
+    linears: list[torch.Tensor | None]   # qkv, o, gate_up, down of each layer, 4 entries each
+    formats: list[int]
+    group_sizes: list[int]
+    max_rows: int                        # steps up to this many rows run here
+    eps: float
+    attention: list                      # each layer's PagedAttention (caches are bound to it later)
+    rope: torch.nn.Module                # RotaryEmbedding: its cos/sin tables
+    qkv_width: int
+    # The caches as lists, gathered on the first call after the runner binds them.
+    _bound_cache: torch.Tensor | None = None
+    _bound_dtype: torch.dtype | None = None
+    _caches: tuple[list, list, list, list] = field(default_factory=lambda: ([], [], [], []))
+    _attention_ok: bool = False
+
+    @staticmethod
+    def build(norms: list[torch.Tensor], linears: list[LinearArgs | None], eps: float, attention: list,
+              rope: torch.nn.Module) -> DecoderStack | None:
+        """None where some linear has no streaming kernel (the op would have nothing to call)."""
+        if not attention or any(lin is None for lin in linears):
+            return None
+        a0 = attention[0]
+        return DecoderStack(norms, [t for lin in linears for t in lin[0]], [lin[1] for lin in linears],
+                            [lin[2] for lin in linears], min(lin[3] for lin in linears), eps, attention, rope,
+                            (a0.num_heads + 2 * a0.num_kv_heads) * a0.head_dim)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        if x.shape[0] > self.max_rows or x.dim() != 2 or x.device.type != "cpu":
+            return False
+        a0 = self.attention[0]
+        if a0.k_cache is not self._bound_cache or x.dtype != self._bound_dtype:  # first call, or caches re-bound
+            self._caches = ([a.k_cache for a in self.attention], [a.v_cache for a in self.attention],
+                            [a.k_scale for a in self.attention], [a.v_scale for a in self.attention])
+            probe = torch.empty(0, self.qkv_width, dtype=x.dtype)
+            self._attention_ok = fused_attention_supported(probe, a0.k_cache, a0.k_scale is not None)
+            self._bound_cache, self._bound_dtype = a0.k_cache, x.dtype
+        return self._attention_ok
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, num_layers: int) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """(last layer's output, running residual): the model applies its final norm to them."""
+        a0, rope = self.attention[0], self.rope
+        k, v, ks, vs = self._caches
+        return torch.ops.pagoda.decoder_stack(
+            x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, k, v, ks, vs, self.norms, self.linears, self.formats, self.group_sizes, self.eps,
+            a0.scale, a0.num_heads, a0.num_kv_heads, num_layers)
