@@ -79,3 +79,21 @@ def test_fallbacks_match_kernels(fallback):
     torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), hf_rms_norm(x, w, 1e-6))
     y = torch.randn(3, 20)
     torch.testing.assert_close(fused_ops.silu_and_mul(y), F.silu(y[:, :10]) * y[:, 10:])
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (5, 1000), (3, 7), (64, 517)])
+def test_argmax_rows_equals_torch_argmax(rows, vocab):
+    """First index of the maximum on ties (lanes merged by index), first NaN where a row has one,
+    -inf rows, vocabularies below one vector and with a ragged tail."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, vocab)
+    x[0, vocab // 3] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first must win
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2, vocab // 2] = x[2, vocab // 4] = float("nan")
+    if rows > 3:
+        x[3, :] = 0.5  # all equal
+    assert torch.equal(torch.ops.pagoda.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(fused_ops.argmax_rows(x[:, : vocab - 1]), x[:, : vocab - 1].argmax(dim=-1))  # strided rows

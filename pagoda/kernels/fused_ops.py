@@ -1,4 +1,4 @@
-"""Fused per-layer ops (RMSNorm with residual add, RoPE, SiLU-and-mul, KV write).
+"""Fused per-layer ops (RMSNorm with residual add, RoPE, SiLU-and-mul, KV write), and the sampler's argmax.
 
 Each has a C++ CPU kernel (pagoda/kernels/cpu/fused_ops.cpp) and a torch fallback with the same
 numerics (fp32 math, HF's rounding points), used off-CPU or when the kernels are unavailable.
@@ -98,3 +98,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         return
     k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a [R, V] tensor; vectorized C++ for fp32 CPU logits (cpu/argmax.cpp:
+    torch's reduction takes ~80 us a row at SmolLM2's 49k vocabulary, 2.8 ms a step at 64 rows)."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0 and x.stride(1) == 1 and _use_kernel(x):
+        return torch.ops.pagoda.argmax_rows(x)
+    return x.argmax(dim=-1)

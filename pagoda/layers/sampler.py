@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels.fused_ops import argmax_rows
 from pagoda.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -96,7 +97,7 @@ def target_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[tor
     for i, banned in enumerate(batch.banned_token_ids):
         if banned:
             logits[i, banned] = _NEG_INF
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     if batch.all_greedy:
         return greedy_ids, None
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params],
@@ -120,7 +121,7 @@ class Sampler:
             for i, g in enumerate(batch.generators):
                 if g is not None and not batch.params[i].greedy:
                     noise[i].exponential_(generator=g)
-            sampled = (probs / noise).argmax(dim=-1)
+            sampled = argmax_rows(probs / noise)
             is_greedy = torch.tensor([p.greedy for p in batch.params])
             token_ids = torch.where(is_greedy, greedy_ids, sampled)
         return sampler_output(token_ids, raw_logprobs, batch.max_logprobs)
