@@ -52,5 +52,7 @@ def test_llama_cpp_peer_perplexity_agrees_with_ours(default_gguf):
     ours = perplexity(llm, ids, 128, 64).perplexity
     windows = sliding_windows(len(ids), 128, 64)
     peer = run_llama_cpp(default_gguf, perplexity=([ids[w.begin:w.end] for w in windows],
-                                                   [w.end - w.begin - w.num_scored for w in windows]))
+                                                   [w.end - w.begin - w.num_scored for w in windows]),
+                         batch1=(ids[:16], 8), batch1_repeats=2)
     assert abs(peer["perplexity"]["perplexity"] / ours - 1) < 0.02
+    assert peer["batch1"]["decode_tokens"] == 7 and peer["batch1"]["decode_s"] > 0

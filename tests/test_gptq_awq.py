@@ -107,7 +107,7 @@ def test_gptq_and_awq_beat_rtn_on_a_smollm_layer(smollm_layer_inputs):
     errors = {}
     for name, quantizer in (("rtn", None), ("gptq", gptq_layer_quantizer(128)),
                             ("gptq_act_order", gptq_layer_quantizer(128, act_order=True)),
-                            ("awq", awq_layer_quantizer(128))):
+                            ("awq", awq_layer_quantizer(128)), ("awq_gptq", awq_layer_quantizer(128, gptq=True))):
         q_layer = copy.deepcopy(layer)
         if quantizer is None:
             for path in LINEARS:
@@ -118,8 +118,10 @@ def test_gptq_and_awq_beat_rtn_on_a_smollm_layer(smollm_layer_inputs):
             assert set(quantizer(2, q_layer, inputs)) == set(LINEARS)
         errors[name] = (torch.cat(inputs.run(q_layer)) - ref).pow(2).mean().item()
     print("layer-2 output MSE:", errors)
-    for name in ("gptq", "gptq_act_order", "awq"):
+    for name in ("gptq", "gptq_act_order", "awq", "awq_gptq"):
         assert errors[name] < 0.9 * errors["rtn"], errors
+    # Per linear, AWQ+GPTQ keeps GPTQ's rounding only where it lowers the output error of AWQ's own.
+    assert errors["awq_gptq"] <= 1.02 * errors["awq"], errors
 
 
 def test_awq_folding_keeps_the_float_model(tmp_path):
@@ -159,7 +161,8 @@ def test_calibration_windows_spread_over_the_text():
         calibration_windows(list(range(50)), 4, 100)
 
 
-@pytest.mark.parametrize("method,extra", [("gptq", ["--act-order"]), ("awq", []), ("rtn", [])])
+@pytest.mark.parametrize("method,extra", [("gptq", ["--act-order"]), ("awq", []), ("awq", ["--awq-gptq"]),
+                                          ("rtn", [])])
 def test_quantize_command_writes_the_checkpoint_format(tiny_llama_byte_tokenizer, tmp_path, method, extra):
     from pagoda.entrypoints.cli import main
 

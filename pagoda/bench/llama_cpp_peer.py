@@ -29,17 +29,19 @@ INSTALL_HINT = ("install llama-cpp-python in its own venv (docs/benchmarks.md, '
 
 
 def run_llama_cpp(gguf: str, *, python: str = DEFAULT_LLAMA_PYTHON, threads: int = 2,
-                  batch1: tuple[Sequence[int], int] | None = None,
+                  batch1: tuple[Sequence[int], int] | None = None, batch1_repeats: int = 1,
                   batched: tuple[Sequence[Sequence[int]], Sequence[int]] | None = None,
                   perplexity: tuple[Sequence[Sequence[int]], Sequence[int]] | None = None,
                   timeout_s: float = 3600.0) -> dict[str, Any]:
-    """batch1: (prompt ids, output_len); batched: (prompts, output_lens), all started at once, greedy,
-    no EOS stop; perplexity: (windows, first scored position per window). Returns the script's dict."""
+    """batch1: (prompt ids, output_len), the fastest of batch1_repeats runs; batched: (prompts, output_lens),
+    all started at once, greedy, no EOS stop; perplexity: (windows, first scored position per window).
+    Returns the script's dict."""
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise PeerUnavailable(f"llama.cpp peer not found: {python}; {INSTALL_HINT}")
     job: dict[str, Any] = {"gguf": os.path.abspath(gguf), "threads": threads}
     if batch1 is not None:
-        job["batch1"] = {"prompt": [int(t) for t in batch1[0]], "output_len": int(batch1[1])}
+        job["batch1"] = {"prompt": [int(t) for t in batch1[0]], "output_len": int(batch1[1]),
+                         "repeats": int(batch1_repeats)}
     if batched is not None:
         job["batched"] = {"prompts": [[int(t) for t in p] for p in batched[0]],
                           "output_lens": [int(n) for n in batched[1]]}

@@ -15,7 +15,10 @@ o after v_proj when their shapes match, i.e. not under GQA), AWQ:
 - folds 1/s into the preceding RMSNorm weight or the preceding linear's rows, so the float model is
   unchanged and only weights carry the scale; no extra tensors are stored;
 - optionally (the paper's weight clipping) searches, per (row, group), a shrink of the clipping
-  range that minimises the group's output error; as in the reference, q/k are not clipped.
+  range that minimises the group's output error; as in the reference, q/k are not clipped;
+- optionally (`gptq=True`; the paper's section 5.4 shows AWQ and GPTQ combine) also rounds each scaled
+  linear with GPTQ on the same calibration inputs, and keeps whichever of that and RTN-with-clipping
+  has the lower output error.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from pagoda.quantization.calibration import LayerInputs, capture_inputs
+from pagoda.quantization.gptq import gptq_quantize
 from pagoda.quantization.int4_format import (
     Int4Weight,
     dequantize_codes,
@@ -144,9 +148,10 @@ class _Stats:
     rows: list[torch.Tensor] = field(default_factory=list)
 
 
-def awq_layer_quantizer(group_size: int = 128, clip: bool = True, max_tokens: int = 4096):  # noqa: ANN201
+def awq_layer_quantizer(group_size: int = 128, clip: bool = True, max_tokens: int = 4096,  # noqa: ANN201
+                        gptq: bool = False, act_order: bool = False):
     """A LayerQuantizer for quantize_sequentially: search and fold every group's scale, then
-    (optionally) search clipping, then RTN-quantize each linear."""
+    (optionally) search clipping, then RTN-quantize each linear (or GPTQ, where `gptq` and lower error)."""
 
     def quantize_layer(_index: int, layer: nn.Module, inputs: LayerInputs) -> dict[str, Int4Weight]:
         groups = scale_groups(layer)
@@ -184,6 +189,13 @@ def awq_layer_quantizer(group_size: int = 128, clip: bool = True, max_tokens: in
             if clip and name not in ("self_attn.q_proj", "self_attn.k_proj"):
                 bound = search_clip(x, w, group_size)
             q = rtn_with_clip(w, group_size, bound)
+            if gptq:
+                xf = x.double()
+                hessian = 2.0 * (xf.T @ xf) / xf.shape[0]
+                cov = (hessian / 2).float()
+                alt = gptq_quantize(w, hessian, group_size, act_order)
+                if output_mse(alt.dequantize() - w.float(), cov) < output_mse(q.dequantize() - w.float(), cov):
+                    q = alt
             lin.weight.data.copy_(q.dequantize(w.dtype))
             out[name] = q
         return out

@@ -17,10 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
                    help="INT4 group size (linears whose input size it does not divide use the next smaller)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by descending Hessian diagonal")
+    p.add_argument("--act-order", action="store_true",
+                   help="GPTQ (and AWQ's --awq-gptq): quantize columns by descending Hessian diagonal")
     p.add_argument("--num-samples", type=int, default=64, help="calibration windows")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--no-awq-clip", action="store_true", help="AWQ: skip the weight-clipping search")
+    p.add_argument("--awq-gptq", action="store_true",
+                   help="AWQ: also round each scaled linear with GPTQ and keep the lower output error")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the tensors stored unquantized (embeddings, norms)")
 
@@ -28,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     opts = QuantizeOptions(method=args.method, group_size=args.group_size, act_order=args.act_order,
                            num_samples=args.num_samples, seq_len=args.seq_len, awq_clip=not args.no_awq_clip,
+                           awq_gptq=args.awq_gptq,
                            dtype=getattr(torch, args.dtype))
     times = quantize_model(args.model, args.out, opts, args.calib,
                            log=lambda m: print(m, file=sys.stderr, flush=True))

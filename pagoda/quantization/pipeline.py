@@ -30,6 +30,7 @@ class QuantizeOptions:
     num_samples: int = 64
     seq_len: int = 512
     awq_clip: bool = True
+    awq_gptq: bool = False  # AWQ: also try GPTQ rounding of the scaled weights (lower output error wins)
     percdamp: float = 0.01
     dtype: torch.dtype = torch.float32  # of the tensors stored as floats (embeddings, norms)
 
@@ -52,7 +53,8 @@ def quantize_hf_model(model: nn.Module, opts: QuantizeOptions, calib_ids: torch.
     if opts.method == "gptq":
         quantizer = gptq_layer_quantizer(opts.group_size, opts.act_order, opts.percdamp)
     elif opts.method == "awq":
-        quantizer = awq_layer_quantizer(opts.group_size, clip=opts.awq_clip)
+        quantizer = awq_layer_quantizer(opts.group_size, clip=opts.awq_clip, gptq=opts.awq_gptq,
+                                        act_order=opts.act_order)
     else:
         raise ValueError(f"unknown method {opts.method!r}; expected one of {METHODS}")
     return quantize_sequentially(model, calib_ids, quantizer, log=log)
