@@ -124,7 +124,7 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * row_bytes + k / 2)));
-        const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, nib), b128);
+        const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(v, nib, b128, 0xEA);  // (v & nib) | b128
         const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), b128);
         for (int m = 0; m < M; ++m) {
           gacc[r][m] = _mm512_dpbf16_ps(gacc[r][m], lo, (__m512bh)_mm512_loadu_si512(xb + m * K + k));
