@@ -22,6 +22,7 @@
 #include "ops.h"
 #include "vec_bf16.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -115,12 +116,18 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
   const __m512i nib = _mm512_set1_epi16(0xF);
   const __m512i b128 = _mm512_set1_epi16(0x4300);  // bf16 bits of 128.0
   const __m512 m128 = _mm512_set1_ps(-128.f);
+  const int64_t prefetch_rows = R + std::max<int64_t>(R, 4096 / row_bytes);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     __m512 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    // The rows ~4 KiB ahead, into L1 while these compute: the hardware prefetcher alone leaves this
+    // loop waiting on memory (in-model at M = 1, 20% faster with it; 8..32 rows ahead all measured alike).
+    const uint8_t* ahead[R];
+    for (int r = 0; r < R; ++r) ahead[r] = w + std::min(n + r + prefetch_rows, n1 - 1) * row_bytes;
     auto chunk = [&](int64_t k, __m512 (&gacc)[R][M]) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead[r] + k / 2), _MM_HINT_T0);
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * row_bytes + k / 2)));
