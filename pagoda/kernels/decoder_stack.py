@@ -8,10 +8,14 @@ stays the path for larger steps (prefill), where the kernels differ and call ove
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.kernels.paged_attention import fused_attention_supported
+
+if TYPE_CHECKING:
+    from pagoda.layers.attention import AttentionMetadata
 
 # One linear as the op takes it: [weight or codes, scales, offsets, bias], format (-1: dense weight,
 # else a quant_linear format), group size, and the most rows its streaming kernel takes.
@@ -60,8 +64,8 @@ class DecoderStack:
             self._bound_cache, self._bound_dtype = a0.k_cache, x.dtype
         return self._attention_ok
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, num_layers: int) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's output, running residual): the model applies its final norm to them."""
         a0, rope = self.attention[0], self.rope
         k, v, ks, vs = self._caches
