@@ -8,7 +8,7 @@
 
 #include "ops.h"
 
-namespace {
+namespace pagoda_cpu {
 
 // qkv: [T, (Hq + 2 Hkv) * D]; returns the attention output [T, Hq * D] in qkv's dtype.
 at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
@@ -21,28 +21,15 @@ at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, co
   const int64_t T = qkv.size(0), heads = num_heads + 2 * num_kv_heads;
   TORCH_CHECK(heads > 0 && qkv.size(1) % heads == 0, "rope_cache_attention: qkv width is not (Hq + 2 Hkv) * D");
   const int64_t D = qkv.size(1) / heads;
-  pagoda_cpu::rope(qkv, positions, cos, sin, num_heads, num_kv_heads, D);
+  rope(qkv, positions, cos, sin, num_heads, num_kv_heads, D);
   const at::Tensor k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({T, num_kv_heads, D});
   const at::Tensor v = qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D).view({T, num_kv_heads, D});
-  pagoda_cpu::write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   const at::Tensor q = qkv.narrow(1, 0, num_heads * D).contiguous().view({T, num_heads, D});
-  return pagoda_cpu::paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
-                                     v_scale)
+  return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
       .view({T, num_heads * D});
 }
 
-}  // namespace
-
-namespace pagoda_cpu {
-at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
-                                const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                                int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& k_scale,
-                                const c10::optional<at::Tensor>& v_scale) {
-  return ::rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
-                                query_start_loc, seq_lens, scale, num_heads, num_kv_heads, k_scale, v_scale);
-}
 }  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
@@ -52,4 +39,4 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "float scale, int num_heads, int num_kv_heads, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("rope_cache_attention", &rope_cache_attention); }
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("rope_cache_attention", &pagoda_cpu::rope_cache_attention); }
