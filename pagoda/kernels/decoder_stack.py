@@ -34,7 +34,6 @@ class DecoderStack:
     eps: float
     attention: list                      # each layer's PagedAttention (caches are bound to it later)
     rope: torch.nn.Module                # RotaryEmbedding: its cos/sin tables
-    qkv_width: int
     # The caches as lists, gathered on the first call after the runner binds them.
     _bound_cache: torch.Tensor | None = None
     _bound_dtype: torch.dtype | None = None
@@ -47,10 +46,8 @@ class DecoderStack:
         """None where some linear has no streaming kernel (the op would have nothing to call)."""
         if not attention or any(lin is None for lin in linears):
             return None
-        a0 = attention[0]
         return DecoderStack(norms, [t for lin in linears for t in lin[0]], [lin[1] for lin in linears],
-                            [lin[2] for lin in linears], min(lin[3] for lin in linears), eps, attention, rope,
-                            (a0.num_heads + 2 * a0.num_kv_heads) * a0.head_dim)
+                            [lin[2] for lin in linears], min(lin[3] for lin in linears), eps, attention, rope)
 
     def takes(self, x: torch.Tensor) -> bool:
         if x.shape[0] > self.max_rows or x.dim() != 2 or x.device.type != "cpu":
@@ -59,7 +56,7 @@ class DecoderStack:
         if a0.k_cache is not self._bound_cache or x.dtype != self._bound_dtype:  # first call, or caches re-bound
             self._caches = ([a.k_cache for a in self.attention], [a.v_cache for a in self.attention],
                             [a.k_scale for a in self.attention], [a.v_scale for a in self.attention])
-            probe = torch.empty(0, self.qkv_width, dtype=x.dtype)
+            probe = torch.empty(0, (a0.num_heads + 2 * a0.num_kv_heads) * a0.head_dim, dtype=x.dtype)  # qkv rows
             self._attention_ok = fused_attention_supported(probe, a0.k_cache, a0.k_scale is not None)
             self._bound_cache, self._bound_dtype = a0.k_cache, x.dtype
         return self._attention_ok

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagoda.quantization.calibration import LayerInputs, capture_inputs
-from pagoda.quantization.gptq import gptq_quantize
+from pagoda.quantization.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quantization.int4_format import (
     Int4Weight,
     dequantize_codes,
@@ -190,11 +190,12 @@ def awq_layer_quantizer(group_size: int = 128, clip: bool = True, max_tokens: in
                 bound = search_clip(x, w, group_size)
             q = rtn_with_clip(w, group_size, bound)
             if gptq:
-                xf = x.double()
-                hessian = 2.0 * (xf.T @ xf) / xf.shape[0]
-                cov = (hessian / 2).float()
+                acc = HessianAccumulator(w.shape[1])
+                acc.add(x)
+                hessian = acc.hessian()  # 2 X^T X / T, so cov = X^T X / T is half of it
                 alt = gptq_quantize(w, hessian, group_size, act_order)
-                if output_mse(alt.dequantize() - w.float(), cov) < output_mse(q.dequantize() - w.float(), cov):
+                cov, wf = (hessian / 2).float(), w.float()
+                if output_mse(alt.dequantize() - wf, cov) < output_mse(q.dequantize() - wf, cov):
                     q = alt
             lin.weight.data.copy_(q.dequantize(w.dtype))
             out[name] = q
