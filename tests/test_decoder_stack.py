@@ -7,6 +7,7 @@ from tiny_models import build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.kernels.cpu_extension import has_avx512, kernel_available
+from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
 
 pytestmark = pytest.mark.skipif(not (kernel_available() and has_avx512()),
                                 reason="the stack needs the C++ streaming kernels (AVX-512)")
@@ -32,13 +33,20 @@ def _run(llm: LLM, params: SamplingParams) -> tuple[list, set[str]]:
     ("tiny_llama_with_bias", "float32", None, "auto"),
     ("tiny_qwen2", "bfloat16", None, "int8"),
     ("tiny_llama", "bfloat16", "int4", "auto"),
+    ("tiny_llama", "bfloat16", "int4+int8-activations", "auto"),
     ("tiny_llama", "float32", "int8", "fp8_e4m3"),
 ])
-def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype, default_gguf, request):
+def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype, default_gguf, request, monkeypatch):
+    int8_activations = quantization == "int4+int8-activations"
+    if int8_activations:  # the int4x8 layout and its kernel (where the CPU has VNNI)
+        monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int8")
+        quantization = "int4"
     kw = {"quantization": quantization} if quantization else {}
     llm = LLM(request.getfixturevalue(model), tokenizer=default_gguf, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
               max_num_seqs=4, **kw)
     net = llm.engine.runner.model
+    if int8_activations and torch.ops.pagoda.int4x8_supported(64, 64):
+        assert net.layers[0].mlp.down_proj.qweight.fmt == "int4x8"
     stack = net.stack
     assert stack is not None and stack.max_rows == (16 if quantization else 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)

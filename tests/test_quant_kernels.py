@@ -110,3 +110,75 @@ def test_rows_above_the_threshold_dequantize_then_gemm():
             out = quant_linear(x, pw, b)
         assert op in {e.key for e in prof.key_averages()}
         torch.testing.assert_close(out.float(), _ref(x.float(), pw, b), atol=3e-2, rtol=2e-2)
+
+
+def _int8_activation_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """What the int4x8 kernel computes, in float64: x rounded to int8 per row and 32 columns with scale
+    max|x| / 127 (the kernel's float32 steps), dotted with the codes; the offsets take the exact sums of x."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    a = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(a > 0, 1 / a, torch.zeros_like(a))
+    xq = torch.round(xb * inv) * a  # the int8 levels, back in x's units
+    g = pw.group_size
+    w = (pw.codes().view(pw.out_features, k // g, g) * pw.scales.unsqueeze(-1)).view(pw.out_features, k)
+    y = xq.view(m, k).double() @ w.double().T
+    if pw.offsets is not None:
+        y += x.double().view(m, k // g, g).sum(-1) @ pw.offsets.double().T
+    return y
+
+
+@pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)),
+                    reason="int4x8 needs the C++ kernels with VNNI and GFNI")
+@pytest.mark.parametrize("k,n,group", [(576, 40, 64), (1536, 136, 64), (384, 8, 128), (128, 24, 64)])
+@pytest.mark.parametrize("m", [1, 3, 5, 16])
+def test_int4x8_kernel_computes_int8_activations_times_int4_weights(k, n, group, m):
+    pw, b = _case("int4", k, n, True, group, seed=m)
+    il = pw.interleave8()
+    assert il.fmt == "int4x8" and il.out_features == n
+    x = torch.randn(m, k) * (0.5 + 4 * torch.rand(1, k))  # uneven columns: the per-32 scales differ
+    y = quant_linear(x, il, b, use_cpp=True)
+    ref = _int8_activation_ref(x, pw) + b.double()
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
+    # ...which is the float linear up to the activations' int8 rounding (about 1% here)
+    exact = _ref(x, pw, b).double()
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 3e-2
+    yb = quant_linear(x.bfloat16(), il, b, use_cpp=True)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.double(), _int8_activation_ref(x.bfloat16().float(), pw) + b.double(),
+                               atol=3e-2, rtol=8e-3)
+
+
+@pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)),
+                    reason="int4x8 needs the C++ kernels with VNNI and GFNI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4x8_layout_round_trips_and_dequantizes_alike(dtype):
+    pw, _ = _case("int4", 640, 48, False, 64)
+    il = pw.interleave8()
+    back = il.row_major()
+    for got, want in ((back.data, pw.data), (back.scales, pw.scales), (back.offsets, pw.offsets)):
+        assert torch.equal(got, want)
+    assert torch.equal(il.dequantize(), pw.dequantize())
+    assert torch.equal(il.rows(torch.tensor([5, 0])).dequantize(), pw.dequantize()[[5, 0]])
+    w = torch.ops.pagoda.quant_dequantize(il.data, il.scales, il.offsets, FORMATS["int4x8"], 64, 640, dtype)
+    assert torch.equal(w, torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, 0, 64, 640, dtype))
+    x = torch.randn(CPP_MAX_M + 3, 640).to(dtype)  # many rows: the dequantize-then-GEMM path
+    torch.testing.assert_close(quant_linear(x, il, None), quant_linear(x, pw, None))
+
+
+def test_int4_activation_mode_is_chosen_by_the_environment(monkeypatch):
+    from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV, kernel_layout
+
+    pw, _ = _case("int4", 576, 40, False, 64)
+    monkeypatch.delenv(INT4_ACTIVATIONS_ENV, raising=False)
+    assert kernel_layout(pw) is pw  # default: float activations, row layout
+    monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int8")
+    vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
+    assert kernel_layout(pw).fmt == ("int4x8" if vnni else "int4")
+    g32, _ = _case("int4", 576, 40, False, 32)
+    assert kernel_layout(g32) is g32  # the int8 kernel takes groups of 64 or more
+    int8, _ = _case("int8", 576, 40, False)
+    assert kernel_layout(int8) is int8
+    monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match=INT4_ACTIVATIONS_ENV):
+        kernel_layout(pw)

@@ -6,7 +6,14 @@ from torch import nn
 
 from pagoda.kernels.decoder_stack import LinearArgs
 from pagoda.kernels.linear import SMALL_M, linear, prepack, small_m_supported
-from pagoda.kernels.quant_linear import CPP_MAX_M, FORMATS, PackedWeight, cpp_supported, quant_linear
+from pagoda.kernels.quant_linear import (
+    CPP_MAX_M,
+    FORMATS,
+    PackedWeight,
+    cpp_supported,
+    kernel_layout,
+    quant_linear,
+)
 
 
 class Linear(nn.Linear):
@@ -32,6 +39,7 @@ class Linear(nn.Linear):
 
     def prepare(self) -> None:
         if self.qweight is not None:
+            self.qweight = kernel_layout(self.qweight)
             self.quant_cpp_ok = cpp_supported(self.qweight)
             return
         w = self.weight

@@ -8,6 +8,8 @@
 //   int4: codes 0..15 packed two per byte [N, K/2], low nibble = even k (pagoda int4_format)
 //   int8: int8 codes [N, K] (per-channel: group = K; GGUF Q8_0: group = 32)
 //   fp8:  float8 e4m3fn bytes [N, K], per-channel scale
+//   int4x8: int4 codes in blocks of 8 rows [N/8, 4K], scales/offsets [N/8, G, 8] (blocks_int4x8_i8); the
+//           one format that quantizes activations (to int8 per 32 columns), chosen by the user
 // Sum over a group: s * dot(code, x) + o * sum(x), so offsets cost one scalar FMA per group.
 // Larger M runs in chunks of 8 rows over a block of weight rows that stays in L1/L2.
 
@@ -23,6 +25,7 @@
 #include "vec_bf16.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -36,7 +39,7 @@
 namespace {
 
 constexpr int64_t kChunkM = 8;
-enum Fmt : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
+enum Fmt : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2, kInt4A8 = 3 };  // kInt4A8: int4x8
 
 #if defined(PAGODA_QUANT_AVX512)
 // Decode 32 weights starting at weight column k (k % 32 == 0) of one row into a (first 16), b (last 16).
@@ -187,6 +190,89 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__GFNI__)
+// INT4 weights times INT8 activations over an 8-row interleaved layout (fmt kInt4A8, groups of 64 or more).
+// x is quantized per row and 32 columns to int8 with its own scale a (symmetric, round to nearest), as
+// llama.cpp's Q8 blocks are, so each 32 columns' dot product is an integer: y += s * a * sum(code * xq).
+// Layout (int4x8): for each block of 8 weight rows and 64-column chunk, 8 vectors of 32 bytes; vector t
+// holds bytes [4t, 4t + 4) of the chunk's 32 bytes from each of the 8 rows (row j in 32-bit lane j).
+// One vpdpbusd then advances all 8 rows by 4 codes against 4 broadcast activation bytes, every lane is
+// one output row, and the group's 8 scales, offsets and the outputs are single vector loads and stores:
+// no per-row horizontal sums or scalar scale work, which dominate the row-layout kernels at small groups.
+// xq holds each 64-column chunk as [even | odd] columns: the low nibbles of bytes [4t, 4t + 4) are even
+// columns 8t..8t+6, the high nibbles the odd ones.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
+}
+
+template <int M, int R, typename O>
+void blocks_int4x8_i8(const uint8_t* w, const float* scales, const float* offsets, const float* bias,
+                      const int8_t* xq, const float* xa, const float* xs, O* y, int64_t ldy, int64_t K, int64_t G,
+                      int64_t gs, int64_t b0, int64_t b1) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i shr4 = _mm256_set1_epi64x(0x1020408000000000LL);  // gf2p8affine: each byte >> 4
+  const int64_t block_bytes = 4 * K;  // 8 rows x K / 2
+  const int64_t ahead = std::max<int64_t>(2, (8192 + block_bytes - 1) / block_bytes);
+  int64_t b = b0;
+  for (; b + R <= b1; b += R) {
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 64) {
+      // One chain per 32 columns (t < 4, t >= 4), each with its activation scale; two chains per (block,
+      // row of x) also keep vpdpbusd's latency off the critical path.
+      __m256i ia[R][M], ib[R][M];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) { ia[r][m] = _mm256_setzero_si256(); ib[r][m] = _mm256_setzero_si256(); }
+      // The blocks ~8 KiB ahead into L2, all four lines of this chunk: with the hardware prefetcher
+      // alone this loop waits on memory (1.5-1.8x slower streaming at M = 1; into L1 measured worse).
+      for (int r = 0; r < R; ++r)
+        for (int line = 0; line < 4; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (b + r + ahead) * block_bytes + k * 4 + 64 * line), _MM_HINT_T1);
+      for (int t = 0; t < 8; ++t) {
+        __m256i xlo[M], xhi[M];
+        for (int m = 0; m < M; ++m) {
+          xlo[m] = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * K + k + 4 * t));
+          xhi[m] = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * K + k + 32 + 4 * t));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b + r) * block_bytes + k * 4 + 32 * t));
+          const __m256i lo = _mm256_and_si256(v, nib);
+          const __m256i hi = _mm256_gf2p8affine_epi64_epi8(v, shr4, 0);
+          for (int m = 0; m < M; ++m) {
+            __m256i& i = t < 4 ? ia[r][m] : ib[r][m];
+            i = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(i, lo, xlo[m]), hi, xhi[m]);
+          }
+        }
+      }
+      const int64_t g = k / gs;
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_loadu_ps(scales + ((b + r) * G + g) * 8);
+        for (int m = 0; m < M; ++m) {
+          const float* a = xa + m * (K / 32) + k / 32;  // the two 32-column activation scales
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][m]), _mm256_mul_ps(s, _mm256_set1_ps(a[0])), acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[r][m]), _mm256_mul_ps(s, _mm256_set1_ps(a[1])), acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (offsets)
+        for (int64_t g = 0; g < G; ++g) {
+          const __m256 o = _mm256_loadu_ps(offsets + ((b + r) * G + g) * 8);
+          for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[m * G + g]), acc[r][m]);
+        }
+      const __m256 bv = bias ? _mm256_loadu_ps(bias + (b + r) * 8) : _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) store8(y + m * ldy + (b + r) * 8, _mm256_add_ps(acc[r][m], bv));
+    }
+  }
+  if constexpr (R > 1) {
+    if (b < b1) blocks_int4x8_i8<M, 1, O>(w, scales, offsets, bias, xq, xa, xs, y, ldy, K, G, gs, b, b1);
+  }
+}
+#define PAGODA_INT4_I8 1
+#endif
+
 // Blocks of weight rows in parallel; within a block every 8-row chunk of x reuses the cached rows.
 template <typename Rows>
 void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
@@ -214,17 +300,29 @@ void run(const float* xd, const float* xs, const uint8_t* w, int64_t row_bytes, 
 
 #if defined(PAGODA_QUANT_AVX512)
 // Dequantize rows [n0, n1) to float (O = float or c10::BFloat16): w = code * s + o, in k order.
-template <int F, typename O>
+// IL: INT4 in the 8-row interleaved layout (see blocks_int4x8_i8), each row gathered back first.
+template <int F, typename O, bool IL = false>
 void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, O* out,
                   int64_t K, int64_t G, int64_t gs, int64_t n0, int64_t n1) {
   // decode32 gives INT4's even columns in a and odd ones in b: interleave them back.
   const __m512i even = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i odd = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  std::vector<uint8_t> gathered(IL ? row_bytes : 0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
+    int64_t s0 = n * G, sstep = 1;  // scale of (n, g) at s0 + g * sstep
+    if constexpr (IL) {
+      const int64_t b = n / 8, j = n % 8;
+      for (int64_t c = 0; c < row_bytes / 32; ++c)
+        for (int t = 0; t < 8; ++t)
+          std::memcpy(gathered.data() + 32 * c + 4 * t, w + b * 8 * row_bytes + 256 * c + 32 * t + 4 * j, 4);
+      wr = gathered.data();
+      s0 = b * G * 8 + j;
+      sstep = 8;
+    }
     O* orow = out + n * K;
     for (int64_t k = 0; k < K; k += 32) {
-      const int64_t g = n * G + k / gs;
+      const int64_t g = s0 + (k / gs) * sstep;
       const __m512 s = _mm512_set1_ps(scales[g]);
       const __m512 o = _mm512_set1_ps(offsets ? offsets[g] : 0.f);
       __m512 a, b;
@@ -240,6 +338,16 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, cons
   }
 }
 #endif
+
+bool int4x8_supported(int64_t K, int64_t group_size) {
+#if defined(PAGODA_INT4_I8)
+  return K % 64 == 0 && group_size % 64 == 0 && K % group_size == 0;
+#else
+  (void)K;
+  (void)group_size;
+  return false;
+#endif
+}
 
 bool quant_linear_supported(int64_t K, int64_t group_size) {
 #if defined(PAGODA_QUANT_AVX512)
@@ -257,12 +365,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         int64_t fmt, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar),
               "quant_linear: x [M, K], w uint8/int8 [N, bytes]");
-  TORCH_CHECK(fmt >= 0 && fmt <= 2, "quant_linear: unknown format");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_linear: unknown format");
+  // int4x8 (kInt4A8) stores blocks of 8 rows: w [N / 8, 8 * K / 2].
+  const int64_t M = x.size(0), K = x.size(1), N = fmt == kInt4A8 ? 8 * w.size(0) : w.size(0);
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_linear: unsupported K/group size");
+  TORCH_CHECK(fmt != kInt4A8 || int4x8_supported(K, group_size), "quant_linear: int4x8 needs this CPU's VNNI "
+              "and GFNI, K and the group size multiples of 64");
   const int64_t row_bytes = fmt == kInt4 ? K / 2 : K;
   const int64_t G = K / group_size;
-  TORCH_CHECK(w.size(1) == row_bytes && w.is_contiguous(), "quant_linear: weight shape");
+  TORCH_CHECK(w.size(1) == (fmt == kInt4A8 ? 4 * K : row_bytes) && w.is_contiguous(), "quant_linear: weight shape");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
               "quant_linear: scales fp32 [N, G]");
   if (offsets.has_value())
@@ -274,6 +385,55 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   // Written in x's dtype by the kernels (one rounding of the fp32 sum).
   auto y = at::empty({M, N}, x.options());
 #if defined(PAGODA_QUANT_AVX512)
+#if defined(PAGODA_INT4_I8)
+  if (fmt == kInt4A8) {
+    // Quantize x to int8 per row and 32 columns (scale = max|x| / 127), each 64-column chunk split
+    // [even | odd]; xs: exact fp32 sums per weight group, for the offsets.
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    const float* src = xf.data_ptr<float>();
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> xa(M * K / 32), xs(M * G, 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* r = src + m * K;
+      for (int64_t k = 0; k < K; ++k) xs[m * G + k / group_size] += r[k];
+      for (int64_t k = 0; k < K; k += 32) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(r[k + j]));
+        xa[m * K / 32 + k / 32] = amax / 127.f;
+      }
+      int8_t* d = xq.data() + m * K;
+      for (int64_t k = 0; k < K; k += 64) {
+        const float inv_a = xa[m * K / 32 + k / 32] > 0.f ? 1.f / xa[m * K / 32 + k / 32] : 0.f;
+        const float inv_b = xa[m * K / 32 + k / 32 + 1] > 0.f ? 1.f / xa[m * K / 32 + k / 32 + 1] : 0.f;
+        for (int j = 0; j < 32; ++j) {
+          const float inv = j < 16 ? inv_a : inv_b;  // columns 2j, 2j + 1 lie in the first 32 for j < 16
+          d[k + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j] * inv));
+          d[k + 32 + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j + 1] * inv));
+        }
+      }
+    }
+    const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+    const float* sp = scales.data_ptr<float>();
+    const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    auto go = [&](auto* yp) {
+      using O = std::remove_pointer_t<decltype(yp)>;
+      // Blocks of 8 weight rows in parallel; within a task every 8-row chunk of x reuses them from cache.
+      at::parallel_for(0, N / 8, M <= kChunkM ? 8 : 2, [&](int64_t p0, int64_t p1) {
+        for (int64_t m0 = 0; m0 < M; m0 += kChunkM)
+          dispatch_m(std::min(kChunkM, M - m0), [&](auto c) {
+            constexpr int Mc = decltype(c)::value, R = Mc == 1 ? 2 : 1;  // two blocks in flight at M = 1
+            blocks_int4x8_i8<Mc, R, O>(wp, sp, op, bp, xq.data() + m0 * K, xa.data() + m0 * K / 32, xs.data() + m0 * G,
+                                       yp + m0 * N, N, K, G, group_size, p0, p1);
+          });
+      });
+    };
+    if (x.scalar_type() == at::kFloat) go(y.data_ptr<float>());
+    else if (x.scalar_type() == at::kBFloat16) go(y.data_ptr<c10::BFloat16>());
+    else TORCH_CHECK(false, "quant_linear: x must be float32 or bfloat16");
+    return y;
+  }
+#endif
 #if defined(__AVX512BF16__)
   if (fmt == kInt4 && x.scalar_type() == at::kBFloat16 && K % 64 == 0) {
     const at::Tensor xc = x.contiguous();
@@ -342,11 +502,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // (pagoda.bench.quant_kernels). Same arithmetic as PackedWeight.dequantize, rounded once to dtype.
 at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                             int64_t fmt, int64_t group_size, int64_t K, at::ScalarType dtype) {
-  TORCH_CHECK(fmt >= 0 && fmt <= 2, "quant_dequantize: unknown format");
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_dequantize: unknown format");
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_dequantize: unsupported K/group size");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bfloat16");
-  const int64_t N = w.size(0), G = K / group_size, row_bytes = fmt == kInt4 ? K / 2 : K;
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == row_bytes && w.is_contiguous(), "quant_dequantize: weight shape");
+  const bool il = fmt == kInt4A8;  // int4x8: w [N / 8, 8 * K / 2]
+  const int64_t N = il ? 8 * w.size(0) : w.size(0), G = K / group_size, row_bytes = fmt == kInt4 || il ? K / 2 : K;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == (il ? 8 : 1) * row_bytes && w.is_contiguous(), "quant_dequantize: weight shape");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
               "quant_dequantize: scales fp32 [N, G]");
   if (offsets.has_value())
@@ -361,6 +522,7 @@ at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const
     using O = std::remove_pointer_t<decltype(outp)>;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       if (fmt == kInt4) dequant_rows<kInt4, O>(wp, row_bytes, sp, op, outp, K, G, group_size, n0, n1);
+      else if (il) dequant_rows<kInt4, O, true>(wp, row_bytes, sp, op, outp, K, G, group_size, n0, n1);
       else if (fmt == kInt8) dequant_rows<kInt8, O>(wp, row_bytes, sp, op, outp, K, G, group_size, n0, n1);
       else dequant_rows<kFp8, O>(wp, row_bytes, sp, op, outp, K, G, group_size, n0, n1);
     });
@@ -384,6 +546,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? offsets, Tensor? bias, int fmt, int group_size) "
         "-> Tensor");
+  m.def("int4x8_supported(int K, int group_size) -> bool", &int4x8_supported);  // no tensors: no dispatch key
   m.def("quant_dequantize(Tensor w, Tensor scales, Tensor? offsets, int fmt, int group_size, int K, ScalarType dtype) "
         "-> Tensor");
 }
