@@ -49,6 +49,9 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         "fp8 pagoda": lambda: quant_linear(xb, pf, None, use_cpp=True, max_cpp_m=1 << 30),
         "int4 dequant(C++)+bf16": lambda: dequant_linear(xb, p4, None, use_cpp=True),
     }
+    if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # PAGODA_INT4_ACTIVATIONS=int8
+        p4x8 = p4.interleave8()
+        out["int4x8 int8-act"] = lambda: quant_linear(xb, p4x8, None, use_cpp=True, max_cpp_m=1 << 30)
     q8 = p8.data
     s8 = p8.scales.view(-1).bfloat16()
     out["int8 aten int8pack"] = lambda: torch.ops.aten._weight_int8pack_mm(xb, q8, s8)
