@@ -130,7 +130,7 @@ def _int8_activation_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 
 @pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)),
                     reason="int4x8 needs the C++ kernels with VNNI and GFNI")
-@pytest.mark.parametrize("k,n,group", [(576, 40, 64), (1536, 136, 64), (384, 8, 128), (128, 24, 64)])
+@pytest.mark.parametrize("k,n,group", [(576, 40, 64), (1536, 136, 64), (384, 8, 128), (128, 24, 64), (640, 16, 32)])
 @pytest.mark.parametrize("m", [1, 3, 5, 16])
 def test_int4x8_kernel_computes_int8_activations_times_int4_weights(k, n, group, m):
     pw, b = _case("int4", k, n, True, group, seed=m)
@@ -175,8 +175,8 @@ def test_int4_activation_mode_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int8")
     vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
     assert kernel_layout(pw).fmt == ("int4x8" if vnni else "int4")
-    g32, _ = _case("int4", 576, 40, False, 32)
-    assert kernel_layout(g32) is g32  # the int8 kernel takes groups of 64 or more
+    odd_rows, _ = _case("int4", 576, 41, False, 64)
+    assert kernel_layout(odd_rows) is odd_rows  # blocks of 8 rows
     int8, _ = _case("int8", 576, 40, False)
     assert kernel_layout(int8) is int8
     monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int4")

@@ -124,7 +124,7 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
 
 def kernel_layout(pw: PackedWeight) -> PackedWeight:
     """The layout the chosen CPU kernel takes: with PAGODA_INT4_ACTIVATIONS=int8, INT4 becomes int4x8
-    where the build has that kernel (VNNI + GFNI; K and groups multiples of 64; rows a multiple of 8)."""
+    where the build has that kernel (VNNI + GFNI; K a multiple of 64; rows a multiple of 8)."""
     mode = os.environ.get(INT4_ACTIVATIONS_ENV, "float")
     if mode not in ("int8", "float"):
         raise ValueError(f"{INT4_ACTIVATIONS_ENV} must be 'float' or 'int8', not {mode!r}")

@@ -191,7 +191,7 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__GFNI__)
-// INT4 weights times INT8 activations over an 8-row interleaved layout (fmt kInt4A8, groups of 64 or more).
+// INT4 weights times INT8 activations over an 8-row interleaved layout (fmt kInt4A8; K % 64 == 0).
 // x is quantized per row and 32 columns to int8 with its own scale a (symmetric, round to nearest), as
 // llama.cpp's Q8 blocks are, so each 32 columns' dot product is an integer: y += s * a * sum(code * xq).
 // Layout (int4x8): for each block of 8 weight rows and 64-column chunk, 8 vectors of 32 bytes; vector t
@@ -246,13 +246,14 @@ void blocks_int4x8_i8(const uint8_t* w, const float* scales, const float* offset
           }
         }
       }
-      const int64_t g = k / gs;
+      const int64_t ga = k / gs, gb = (k + 32) / gs;  // the weight groups of the two halves (differ at gs = 32)
       for (int r = 0; r < R; ++r) {
-        const __m256 s = _mm256_loadu_ps(scales + ((b + r) * G + g) * 8);
+        const __m256 sa = _mm256_loadu_ps(scales + ((b + r) * G + ga) * 8);
+        const __m256 sb = gb == ga ? sa : _mm256_loadu_ps(scales + ((b + r) * G + gb) * 8);
         for (int m = 0; m < M; ++m) {
           const float* a = xa + m * (K / 32) + k / 32;  // the two 32-column activation scales
-          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][m]), _mm256_mul_ps(s, _mm256_set1_ps(a[0])), acc[r][m]);
-          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[r][m]), _mm256_mul_ps(s, _mm256_set1_ps(a[1])), acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][m]), _mm256_mul_ps(sa, _mm256_set1_ps(a[0])), acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[r][m]), _mm256_mul_ps(sb, _mm256_set1_ps(a[1])), acc[r][m]);
         }
       }
     }
@@ -341,7 +342,7 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, cons
 
 bool int4x8_supported(int64_t K, int64_t group_size) {
 #if defined(PAGODA_INT4_I8)
-  return K % 64 == 0 && group_size % 64 == 0 && K % group_size == 0;
+  return K % 64 == 0 && group_size % 32 == 0 && K % group_size == 0;
 #else
   (void)K;
   (void)group_size;
@@ -370,7 +371,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const int64_t M = x.size(0), K = x.size(1), N = fmt == kInt4A8 ? 8 * w.size(0) : w.size(0);
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_linear: unsupported K/group size");
   TORCH_CHECK(fmt != kInt4A8 || int4x8_supported(K, group_size), "quant_linear: int4x8 needs this CPU's VNNI "
-              "and GFNI, K and the group size multiples of 64");
+              "and GFNI, K a multiple of 64 and of the group size");
   const int64_t row_bytes = fmt == kInt4 ? K / 2 : K;
   const int64_t G = K / group_size;
   TORCH_CHECK(w.size(1) == (fmt == kInt4A8 ? 4 * K : row_bytes) && w.is_contiguous(), "quant_linear: weight shape");
