@@ -14,7 +14,26 @@ def test_parse_row():
     r = parse_row("int4", "m.gguf")
     assert (r.model, r.dtype, r.quantization) == ("m.gguf", "auto", "int4")
     r = parse_row("int4-awq=/tmp/awq", "m.gguf")
-    assert (r.name, r.model, r.quantization) == ("int4-awq", "/tmp/awq", None)
+    assert (r.name, r.model, r.quantization, r.int8_activations) == ("int4-awq", "/tmp/awq", None, False)
+    r = parse_row("gguf+a8", "m.gguf")
+    assert (r.name, r.model, r.quantization, r.int8_activations) == ("gguf+a8", "m.gguf", "gguf", True)
+    r = parse_row("int4-awq+a8=/tmp/awq", "m.gguf")
+    assert (r.name, r.model, r.quantization, r.int8_activations) == ("int4-awq+a8", "/tmp/awq", None, True)
+
+
+def test_a8_rows_load_their_models_with_int8_activations(monkeypatch, tiny_llama, default_gguf):
+    from pagoda import LLM
+    from pagoda.bench.quant_table import _int4_activations
+    from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
+
+    monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "float")
+    with _int4_activations("int8"):
+        llm = LLM(tiny_llama, tokenizer=default_gguf, quantization="int4", kv_cache_memory="16MiB")
+    assert os.environ[INT4_ACTIVATIONS_ENV] == "float"  # restored
+    fmt = llm.engine.runner.model.layers[0].mlp.gate_up_proj.qweight.fmt
+    from pagoda.kernels.cpu_extension import kernel_available
+
+    assert fmt == ("int4x8" if kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64) else "int4")
 
 
 def test_weight_bytes_counts_each_storage_once_and_skips_caches():

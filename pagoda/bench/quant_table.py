@@ -7,16 +7,20 @@ row, llama.cpp included), batch-1 decode tokens/s, and output tokens/s with N re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from pagoda.bench.datasets import BenchRequest, load_corpus, synthetic_chat_requests
+from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
 
 DEFAULT_ROWS = ["float32", "bfloat16", "int8", "int4", "fp8", "gguf"]
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
@@ -28,16 +32,20 @@ class RowSpec:
     model: str | None
     dtype: str
     quantization: str | None
+    int8_activations: bool = False  # INT4 layers with PAGODA_INT4_ACTIVATIONS=int8
 
 
 def parse_row(spec: str, model: str | None) -> RowSpec:
-    """"float32" | "bfloat16" | a method name | "NAME=CHECKPOINT_DIR" (e.g. int4-awq=/tmp/awq)."""
-    if "=" in spec:
-        name, path = spec.split("=", 1)
-        return RowSpec(name, path, "auto", None)
-    if spec in ("float32", "bfloat16"):
-        return RowSpec(spec, model, spec, None)
-    return RowSpec(spec, model, "auto", spec)
+    """"float32" | "bfloat16" | a method name | "NAME=CHECKPOINT_DIR" (e.g. int4-awq=/tmp/awq); a NAME
+    ending in "+a8" (int4+a8, gguf+a8, int4-awq+a8=DIR) runs its INT4 layers with INT8 activations."""
+    name, path = spec.split("=", 1) if "=" in spec else (spec, None)
+    a8 = name.endswith("+a8")
+    method = name.removesuffix("+a8")
+    if path is not None:
+        return RowSpec(name, path, "auto", None, a8)
+    if method in ("float32", "bfloat16"):
+        return RowSpec(name, model, method, None, a8)
+    return RowSpec(name, model, "auto", method, a8)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -73,7 +81,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS,
-                   help="float32 bfloat16 int8 int4 fp8 gguf, or NAME=CHECKPOINT_DIR for a saved checkpoint")
+                   help="float32 bfloat16 int8 int4 fp8 gguf, or NAME=CHECKPOINT_DIR for a saved checkpoint; "
+                        "NAME+a8 (int4+a8, gguf+a8, int4-awq+a8=DIR) with PAGODA_INT4_ACTIVATIONS=int8")
     p.add_argument("--compare", nargs="*", choices=["llama-cpp"], default=[])
     p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
     p.add_argument("--text", default=DEFAULT_TEXT, help="perplexity text (default: GPL-3)")
@@ -84,7 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch1-output-len", type=int, default=128)
     p.add_argument("--batch1-repeats", type=int, default=3,
-                   help="batch-1 decode runs per row (and for llama.cpp); the fastest is reported")
+                   help="batch-1 decode rounds over all rows, interleaved (and runs for llama.cpp); the fastest "
+                        "per row is reported")
+    p.add_argument("--decode-path-ppl", action="store_true",
+                   help="also score the text in steps of at most 16 tokens, so that every linear runs its few-row "
+                        "(decode) kernel, e.g. +a8 rows' INT8 activations (the ppl column runs prefill-sized steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
 
@@ -99,31 +112,74 @@ def _workload(tokenizer: Any, args: argparse.Namespace) -> tuple[list[BenchReque
     return reqs, text_ids, batch1_prompt
 
 
-def measure_row(row: RowSpec, reqs: list[BenchRequest], text_ids: list[int], batch1_prompt: list[int],
-                args: argparse.Namespace) -> dict[str, Any]:
-    from pagoda import LLM
-    from pagoda.bench.throughput import run_batch1_decode, run_engine
-    from pagoda.eval.perplexity import perplexity
+@contextlib.contextmanager
+def _int4_activations(mode: str) -> Iterator[None]:
+    """PAGODA_INT4_ACTIVATIONS for the models loaded inside (it is read when a model is prepared)."""
+    old = os.environ.get(INT4_ACTIVATIONS_ENV)
+    os.environ[INT4_ACTIVATIONS_ENV] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[INT4_ACTIVATIONS_ENV]
+        else:
+            os.environ[INT4_ACTIVATIONS_ENV] = old
 
+
+def _engine_kwargs(row: RowSpec, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     kw: dict[str, Any] = {"dtype": row.dtype, "max_num_seqs": args.concurrency, "kv_cache_memory": "2GiB",
-                          "seed": args.seed}
+                          "seed": args.seed, **extra}
     if row.quantization:
         kw["quantization"] = row.quantization
+    return kw
+
+
+def _load(row: RowSpec, args: argparse.Namespace, **extra: Any) -> Any:
+    from pagoda import LLM
+
+    with _int4_activations("int8" if row.int8_activations else "float"):
+        return LLM(row.model, **_engine_kwargs(row, args, **extra))
+
+
+def measure_row(row: RowSpec, reqs: list[BenchRequest], text_ids: list[int],
+                args: argparse.Namespace) -> dict[str, Any]:
+    """Weight bytes, perplexity and the concurrent throughput of one row (batch-1 decode: measure_batch1)."""
+    from pagoda.bench.throughput import run_engine
+    from pagoda.eval.perplexity import perplexity
+
+    out: dict[str, Any] = {}
+    if args.decode_path_ppl:
+        small_steps = _load(row, args, max_num_batched_tokens=16)
+        out["decode_path_perplexity"] = perplexity(small_steps, text_ids, args.max_length, args.stride).perplexity
+        del small_steps
+        gc.collect()
     t0 = time.perf_counter()
-    llm = LLM(row.model, **kw)
+    llm = _load(row, args)
     load_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"row": row.name, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-                           "weight_bytes": weight_bytes(llm.engine.runner.model), "load_s": load_s}
+    out.update(row=row.name, dtype=str(llm.engine.dtype).removeprefix("torch."),
+               weight_bytes=weight_bytes(llm.engine.runner.model), load_s=load_s)
     ppl = perplexity(llm, text_ids, args.max_length, args.stride)
     out.update(perplexity=ppl.perplexity, ppl_tok_s=ppl.tokens_per_s)
-    llm.reset_prefix_cache()
-    out["batch1_decode_tok_s"] = max(run_batch1_decode(llm, batch1_prompt, args.batch1_output_len).decode_tok_s
-                                     for _ in range(max(1, args.batch1_repeats)))
-    thr = run_engine(llm, reqs)
-    out["throughput_out_tok_s"] = thr.output_tok_s
+    out["throughput_out_tok_s"] = run_engine(llm, reqs).output_tok_s
     del llm
     gc.collect()
     return out
+
+
+def measure_batch1(rows: list[RowSpec], prompt: list[int], args: argparse.Namespace) -> list[float]:
+    """Batch-1 decode tok/s per row, the fastest of --batch1-repeats rounds. Every row is loaded at once
+    (a small KV pool each) and the rounds go round-robin over the rows, so a slow minute of this noisy
+    machine falls on every row alike instead of on whichever row it happened to be measuring."""
+    from pagoda.bench.throughput import run_batch1_decode
+
+    llms = [_load(row, args, kv_cache_memory="64MiB") for row in rows]
+    best = [0.0] * len(rows)
+    for _ in range(max(1, args.batch1_repeats)):
+        for i, llm in enumerate(llms):
+            best[i] = max(best[i], run_batch1_decode(llm, prompt, args.batch1_output_len).decode_tok_s)
+    del llms
+    gc.collect()
+    return best
 
 
 def measure_llama_cpp(gguf: str, reqs: list[BenchRequest], text_ids: list[int], batch1_prompt: list[int],
@@ -137,7 +193,6 @@ def measure_llama_cpp(gguf: str, reqs: list[BenchRequest], text_ids: list[int], 
                       batched=([q.prompt_token_ids for q in reqs], [q.output_len for q in reqs]),
                       perplexity=([text_ids[w.begin:w.end] for w in windows],
                                   [w.end - w.begin - w.num_scored for w in windows]))
-    import os
     return {"row": f"llama.cpp ({r['llama_cpp_version']})", "dtype": "gguf", "weight_bytes": os.path.getsize(gguf),
             "perplexity": r["perplexity"]["perplexity"],
             "batch1_decode_tok_s": r["batch1"]["decode_tokens"] / r["batch1"]["decode_s"],
@@ -145,13 +200,16 @@ def measure_llama_cpp(gguf: str, reqs: list[BenchRequest], text_ids: list[int], 
 
 
 def print_table(rows: list[dict[str, Any]], base: dict[str, Any] | None) -> None:
-    print(f"{'row':<22} {'weights MB':>10} {'ppl':>8} {'ppl vs f32':>10} {'b1 tok/s':>9} {'b1 vs f32':>9} "
-          f"{'thr tok/s':>9}")
+    decode_ppl = any("decode_path_perplexity" in r for r in rows)
+    print(f"{'row':<22} {'weights MB':>10} {'ppl':>8} {'ppl vs f32':>10} " + ("decode-path ppl " if decode_ppl else "")
+          + f"{'b1 tok/s':>9} {'b1 vs f32':>9} {'thr tok/s':>9}")
     for r in rows:
         rel_p = f"{r['perplexity'] / base['perplexity'] - 1:+.1%}" if base else ""
         rel_b = f"{r['batch1_decode_tok_s'] / base['batch1_decode_tok_s']:.2f}x" if base else ""
+        dp = f"{r['decode_path_perplexity']:>15.3f} " if "decode_path_perplexity" in r else " " * 16
         print(f"{r['row']:<22} {r['weight_bytes'] / 1e6:>10.1f} {r['perplexity']:>8.3f} {rel_p:>10} "
-              f"{r['batch1_decode_tok_s']:>9.1f} {rel_b:>9} {r['throughput_out_tok_s']:>9.1f}")
+              + (dp if decode_ppl else "")
+              + f"{r['batch1_decode_tok_s']:>9.1f} {rel_b:>9} {r['throughput_out_tok_s']:>9.1f}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -162,11 +220,14 @@ def main(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     tokenizer = load_tokenizer(resolve_model_files(model))
     reqs, text_ids, batch1_prompt = _workload(tokenizer, args)
+    specs = [parse_row(spec, model) for spec in args.rows]
     rows = []
-    for spec in args.rows:
-        row = parse_row(spec, model)
+    for row in specs:
         print(f"measuring {row.name} ...", file=sys.stderr, flush=True)
-        rows.append(measure_row(row, reqs, text_ids, batch1_prompt, args))
+        rows.append(measure_row(row, reqs, text_ids, args))
+    print("measuring batch-1 decode, every row in turn ...", file=sys.stderr, flush=True)
+    for r, tok_s in zip(rows, measure_batch1(specs, batch1_prompt, args)):
+        r["batch1_decode_tok_s"] = tok_s
     if "llama-cpp" in args.compare:
         if not model.endswith(".gguf"):
             raise ValueError("--compare llama-cpp needs a .gguf model")
