@@ -23,10 +23,8 @@ from pagoda.kernels.cpu_extension import kernel_available
 
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "int4x8": 3}
 
-# PAGODA_INT4_ACTIVATIONS=int8 prepares INT4 layers as int4x8 where the CPU has VNNI and GFNI: their
-# few-row kernel quantizes activations to INT8 per 32 columns (as llama.cpp does for its Q4 formats) and
-# computes with integer dot products, faster but no longer weight-only (see docs/architecture.md for what
-# it costs in perplexity). The default, float, keeps activations in the model dtype. Read at prepare().
+# "float" (default: INT4 stays weight-only) or "int8" (int4x8, see kernel_layout; its perplexity cost is in
+# docs/benchmarks.md). Read when a model is prepared.
 INT4_ACTIVATIONS_ENV = "PAGODA_INT4_ACTIVATIONS"
 
 
