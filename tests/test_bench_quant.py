@@ -22,17 +22,17 @@ def test_parse_row():
 
 
 def test_a8_rows_load_their_models_with_int8_activations(monkeypatch, tiny_llama, default_gguf):
-    from pagoda import LLM
-    from pagoda.bench.quant_table import _int4_activations
+    import argparse
+
+    from pagoda.bench.quant_table import _load
+    from pagoda.kernels.cpu_extension import kernel_available
     from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
 
     monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "float")
-    with _int4_activations("int8"):
-        llm = LLM(tiny_llama, tokenizer=default_gguf, quantization="int4", kv_cache_memory="16MiB")
+    llm = _load(parse_row("int4+a8", tiny_llama), argparse.Namespace(concurrency=4, seed=0),
+                tokenizer=default_gguf, kv_cache_memory="16MiB")
     assert os.environ[INT4_ACTIVATIONS_ENV] == "float"  # restored
     fmt = llm.engine.runner.model.layers[0].mlp.gate_up_proj.qweight.fmt
-    from pagoda.kernels.cpu_extension import kernel_available
-
     assert fmt == ("int4x8" if kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64) else "int4")
 
 

@@ -7,15 +7,14 @@ row, llama.cpp included), batch-1 decode tokens/s, and output tokens/s with N re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -112,33 +111,16 @@ def _workload(tokenizer: Any, args: argparse.Namespace) -> tuple[list[BenchReque
     return reqs, text_ids, batch1_prompt
 
 
-@contextlib.contextmanager
-def _int4_activations(mode: str) -> Iterator[None]:
-    """PAGODA_INT4_ACTIVATIONS for the models loaded inside (it is read when a model is prepared)."""
-    old = os.environ.get(INT4_ACTIVATIONS_ENV)
-    os.environ[INT4_ACTIVATIONS_ENV] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[INT4_ACTIVATIONS_ENV]
-        else:
-            os.environ[INT4_ACTIVATIONS_ENV] = old
+def _load(row: RowSpec, args: argparse.Namespace, **extra: Any) -> Any:
+    """The row's LLM. PAGODA_INT4_ACTIVATIONS is read when a model is prepared, so it is set for the load."""
+    from pagoda import LLM
 
-
-def _engine_kwargs(row: RowSpec, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     kw: dict[str, Any] = {"dtype": row.dtype, "max_num_seqs": args.concurrency, "kv_cache_memory": "2GiB",
                           "seed": args.seed, **extra}
     if row.quantization:
         kw["quantization"] = row.quantization
-    return kw
-
-
-def _load(row: RowSpec, args: argparse.Namespace, **extra: Any) -> Any:
-    from pagoda import LLM
-
-    with _int4_activations("int8" if row.int8_activations else "float"):
-        return LLM(row.model, **_engine_kwargs(row, args, **extra))
+    with mock.patch.dict(os.environ, {INT4_ACTIVATIONS_ENV: "int8" if row.int8_activations else "float"}):
+        return LLM(row.model, **kw)
 
 
 def measure_row(row: RowSpec, reqs: list[BenchRequest], text_ids: list[int],

@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
             linears += [p.stack_args() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         first = self.layers[0]
         return DecoderStack.build(norms, linears, first.input_layernorm.eps,
-                                  [layer.self_attn.attn for layer in self.layers], first.self_attn.rope)
+                                  self.attention_layers(), first.self_attn.rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
