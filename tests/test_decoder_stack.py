@@ -7,6 +7,7 @@ from tiny_models import build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.kernels.cpu_extension import has_avx512, kernel_available
+from pagoda.kernels.linear import PAIRS_STACK_MAX_M
 from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
 
 pytestmark = pytest.mark.skipif(not (kernel_available() and has_avx512()),
@@ -48,7 +49,8 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
     if int8_activations and torch.ops.pagoda.int4x8_supported(64, 64):
         assert net.layers[0].mlp.down_proj.qweight.fmt == "int4x8"
     stack = net.stack
-    assert stack is not None and stack.max_rows == (16 if quantization else 8)
+    pairs = net.layers[0].mlp.down_proj.pairs is not None  # bf16 on AVX512-BF16: every step, prefill too
+    assert stack is not None and stack.max_rows == (16 if quantization else PAIRS_STACK_MAX_M if pairs else 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, ops = _run(llm, params)
     assert "pagoda::decoder_stack" in ops  # decode steps (3 rows) went through it
@@ -60,6 +62,7 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
 
 
 def test_prefill_steps_stay_layer_by_layer(tiny_llama, default_gguf):
+    """Except over pair-packed bf16 weights, whose kernel is the same at every row count."""
     llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32")
     with torch.profiler.profile() as prof:  # one 40-token prefill step: above the stack's 8 rows
         llm.generate([{"prompt_token_ids": list(range(3, 43))}], SamplingParams(max_tokens=1), use_tqdm=False)

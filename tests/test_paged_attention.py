@@ -88,6 +88,20 @@ def test_kernel_bf16(d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (9, 3), (8, 1), (8, 8)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernel_bf16_few_rows(hq, hkv, d):
+    """Work items of at most 8 rows (a decode query's group of heads, or two queries of a small group)
+    read K and V rows from a bf16 cache in place: one key, partial and whole 32-key chunks, more than
+    one block, and steps of 2 and 3 queries; the NaN-filled free slots catch any read past a sequence."""
+    specs = [(1, 1), (1, 37), (2, 40), (1, 130), (3, 3), (1, 16), (2, 2), (1, 64)]
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, hq, hkv, d, 16, torch.bfloat16, seed=hq + d)
+    scale = d ** -0.5
+    got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
+    torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, sl, scale), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
 def test_kernel_large_batch_and_long_prefill():
     specs = [(1, 1 + (7 * i) % 300) for i in range(200)] + [(300, 300), (129, 700)]
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, 4, 2, 64, 16, torch.float32, seed=1)

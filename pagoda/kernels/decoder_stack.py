@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from pagoda.layers.attention import AttentionMetadata
 
 # One linear as the op takes it: [weight or codes, scales, offsets, bias], format (-1: dense weight,
-# else a quant_linear format), group size, and the most rows its streaming kernel takes.
+# -2: pair-packed bf16 weight, else a quant_linear format), group size, and the most rows the stack
+# runs with it.
 LinearArgs = tuple[list[torch.Tensor | None], int, int, int]
 
 

@@ -1,9 +1,12 @@
-"""Dense linear op: a weight-streaming kernel for the few-row (decode) case, and oneDNN's GEMM on a
-weight packed once at load for everything else.
+"""Dense linear op, on a copy of the weight laid out once at load.
 
-On SmolLM2's shapes oneDNN on a prepacked weight beats F.linear (which re-lays the weight out on every
-call) from M = 9 up, in fp32 by the most: `python -m pagoda.bench.quant_kernels`. The packed copy
-costs the weight's size in memory again.
+bf16 (AVX512-BF16): Pagoda's pair-packed GEMM (cpu/packed_linear.cpp) at every row count. Over all of
+SmolLM2's linears with cold weights it is 1.0x the streaming kernel below at 1-2 rows, 1.2-1.6x at 4-8,
+1.2-1.7x oneDNN's prepacked GEMM at 8-64 rows (batched decode), level from 256 (prefill).
+fp32: a weight-streaming kernel for the few-row (decode) case, and oneDNN's GEMM on a prepacked weight
+(beats F.linear, which re-lays the weight out on every call, from M = 9 up) for everything else.
+`python -m pagoda.bench.quant_kernels` times them per shape. The packed copy costs the weight's size
+in memory again.
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from pagoda.config import cpu_has_native_bf16
 from pagoda.kernels.cpu_extension import cpu_flags, has_avx512, kernel_available
 
 SMALL_M = 8  # rows up to which the streaming kernel beats oneDNN/MKL (decode batches)
+# Over pair-packed weights the C++ decoder stack runs every step: its linear kernel is the same at every
+# row count, and one op call a step instead of ~8 a layer was +4% on bench throughput's 64-request run.
+PAIRS_STACK_MAX_M = 1 << 30
 
 
 def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:
@@ -25,6 +31,14 @@ def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:
     else:
         return False
     return ok and kernel_available()
+
+
+def pair_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The pair-packed layout of a CPU bf16 weight [N, K] for packed_linear, or None where it can't take it."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
+            or weight.shape[0] % 16 or weight.shape[1] % 2 or not small_m_supported(torch.bfloat16, 32):
+        return None
+    return torch.ops.pagoda.pack_bf16_pairs(weight.detach())
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -39,10 +53,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m_ok: bool,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias). `small_m_ok`: small_m_supported() for this layer;
-    `packed`: prepack(weight), used above SMALL_M rows (same math as F.linear)."""
+           packed: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias). `pairs`: pair_pack(weight), used at every M when set;
+    else `small_m_ok`: small_m_supported() for this layer, and `packed`: prepack(weight), used above
+    SMALL_M rows (same math as F.linear)."""
     if x.dim() == 2 and x.device.type == "cpu":
+        if pairs is not None and x.dtype == torch.bfloat16:
+            return torch.ops.pagoda.packed_linear(x.contiguous(), pairs, bias)
         if small_m_ok and x.shape[0] <= SMALL_M:
             return torch.ops.pagoda.small_m_linear(x.contiguous(), weight, bias)
         if packed is not None and x.dtype == weight.dtype:

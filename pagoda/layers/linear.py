@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels.decoder_stack import LinearArgs
-from pagoda.kernels.linear import SMALL_M, linear, prepack, small_m_supported
+from pagoda.kernels.linear import PAIRS_STACK_MAX_M, SMALL_M, linear, pair_pack, prepack, small_m_supported
 from pagoda.kernels.quant_linear import (
     CPP_MAX_M,
     FORMATS,
@@ -24,6 +24,7 @@ class Linear(nn.Linear):
 
     small_m_ok: bool = False
     packed: torch.Tensor | None = None  # oneDNN layout of the float weight (kernels.linear.prepack)
+    pairs: torch.Tensor | None = None   # or the bf16 weight pair-packed (kernels.linear.pair_pack)
     qweight: PackedWeight | None = None
     quant_cpp_ok: bool = False
 
@@ -43,8 +44,10 @@ class Linear(nn.Linear):
             self.quant_cpp_ok = cpp_supported(self.qweight)
             return
         w = self.weight
-        self.small_m_ok = w.device.type == "cpu" and w.is_contiguous() and small_m_supported(w.dtype, w.shape[1])
-        self.packed = prepack(w)
+        self.pairs = pair_pack(w)
+        if self.pairs is None:
+            self.small_m_ok = w.device.type == "cpu" and w.is_contiguous() and small_m_supported(w.dtype, w.shape[1])
+            self.packed = prepack(w)
 
     def stack_args(self) -> LinearArgs | None:
         """This layer as the C++ decoder stack takes it (kernels/decoder_stack.py), after prepare();
@@ -53,11 +56,13 @@ class Linear(nn.Linear):
         if pw is not None:
             return ([pw.data, pw.scales, pw.offsets, self.bias], FORMATS[pw.fmt], pw.group_size, CPP_MAX_M) \
                 if self.quant_cpp_ok else None
+        if self.pairs is not None:
+            return [self.pairs, None, None, self.bias], -2, 0, PAIRS_STACK_MAX_M
         return ([self.weight, None, None, self.bias], -1, 0, SMALL_M) if self.small_m_ok else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return quant_linear(x, self.qweight, self.bias, self.quant_cpp_ok)
-        return linear(x, self.weight, self.bias, self.small_m_ok, self.packed)
+        return linear(x, self.weight, self.bias, self.small_m_ok, self.packed, self.pairs)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

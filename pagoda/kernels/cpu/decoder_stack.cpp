@@ -7,7 +7,8 @@
 //
 // Per layer l: norms[2l], norms[2l+1] are the input and post-attention RMSNorm weights; linears
 // holds qkv, o, gate_up, down in that order, each as four entries (weight or codes, scales, offsets,
-// bias); formats[4l + i] is -1 for a dense weight (small_m_linear) or a quant_linear format, with
+// bias); formats[4l + i] is -1 for a dense weight (small_m_linear), -2 for a pair-packed bf16 weight
+// (packed_linear) or a quant_linear format, with
 // group_sizes[4l + i] its group size.
 
 #include <ATen/core/List.h>
@@ -28,7 +29,8 @@ at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   const c10::optional<at::Tensor> w = linears.get(base), scales = linears.get(base + 1),
                                   offsets = linears.get(base + 2), bias = linears.get(base + 3);
   TORCH_CHECK(w.has_value(), "decoder_stack: linear ", index, " has no weight");
-  if (fmt < 0) return pagoda_cpu::small_m_linear(x, *w, bias);
+  if (fmt == -1) return pagoda_cpu::small_m_linear(x, *w, bias);
+  if (fmt == -2) return pagoda_cpu::packed_linear(x, *w, bias);
   TORCH_CHECK(scales.has_value(), "decoder_stack: quantized linear ", index, " has no scales");
   return pagoda_cpu::quant_linear(x, *w, *scales, offsets, bias, fmt, group_size);
 }

@@ -33,6 +33,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias, int64_t fmt,
                         int64_t group_size);
