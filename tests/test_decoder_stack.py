@@ -7,7 +7,7 @@ from tiny_models import build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.kernels.cpu_extension import has_avx512, kernel_available
-from pagoda.kernels.linear import PAIRS_STACK_MAX_M
+from pagoda.kernels.linear import PANELS_STACK_MAX_M
 from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
 
 pytestmark = pytest.mark.skipif(not (kernel_available() and has_avx512()),
@@ -49,8 +49,8 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
     if int8_activations and torch.ops.pagoda.int4x8_supported(64, 64):
         assert net.layers[0].mlp.down_proj.qweight.fmt == "int4x8"
     stack = net.stack
-    pairs = net.layers[0].mlp.down_proj.pairs is not None  # bf16 on AVX512-BF16: every step, prefill too
-    assert stack is not None and stack.max_rows == (16 if quantization else PAIRS_STACK_MAX_M if pairs else 8)
+    panels = net.layers[0].mlp.down_proj.panels is not None  # dense weights: every step, prefill too
+    assert stack is not None and stack.max_rows == (16 if quantization else PANELS_STACK_MAX_M if panels else 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, ops = _run(llm, params)
     assert "pagoda::decoder_stack" in ops  # decode steps (3 rows) went through it
@@ -62,8 +62,8 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
 
 
 def test_prefill_steps_stay_layer_by_layer(tiny_llama, default_gguf):
-    """Except over pair-packed bf16 weights, whose kernel is the same at every row count."""
-    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32")
+    """Where some linear's few-row kernel differs from its many-row one (here int8)."""
+    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", quantization="int8")
     with torch.profiler.profile() as prof:  # one 40-token prefill step: above the stack's 8 rows
         llm.generate([{"prompt_token_ids": list(range(3, 43))}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert "pagoda::decoder_stack" not in {e.key for e in prof.key_averages()}

@@ -1,4 +1,4 @@
-"""The dense linear kernels (few-row streaming, oneDNN prepacked, pair-packed bf16) equal F.linear;
+"""The dense linear kernels (few-row streaming, oneDNN prepacked, panel-packed) equal F.linear;
 unsupported shapes fall back."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels.linear import SMALL_M, linear, pair_pack, prepack, small_m_supported
+from pagoda.kernels.linear import SMALL_M, linear, panel_pack, prepack, small_m_supported
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
@@ -50,33 +50,34 @@ def test_prepacked_weight_matches_f_linear(dtype, tol, m):
     assert prepack(w.to(torch.float16)) is None  # other dtypes keep F.linear
 
 
-needs_pairs = pytest.mark.skipif(not small_m_supported(torch.bfloat16, 32), reason="needs AVX512-BF16 kernels")
-
-
-@needs_pairs
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 8e-3)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 20, 64, 200])
 @pytest.mark.parametrize("k,n,bias", [(576, 960, False), (2, 16, True), (30, 32, False), (96, 80, True),
                                       (1536, 112, True)])
-def test_pair_packed_linear_matches_f_linear(m, k, n, bias):
+def test_panel_packed_linear_matches_f_linear(dtype, tol, m, k, n, bias):
     """Every row count (tiles of 8 rows and the remainder), whole and partial 48-column tiles (N = 16, 32,
-    80, 112), odd K/2, bias or not: the fp32 product of the same bf16 inputs, rounded once to bf16."""
+    80, 112), odd K/2, bias or not: the fp32 product of the same inputs, rounded once to the dtype."""
     torch.manual_seed(m * 1000 + n)
-    x = torch.randn(m, k).bfloat16()
-    w = (torch.randn(n, k) / k**0.5).bfloat16()
-    b = torch.randn(n).bfloat16() if bias else None
-    pairs = pair_pack(w)
-    assert pairs is not None and pairs.shape == (n // 16, k // 2, 16, 2)
-    assert torch.equal(pairs[1 % (n // 16), 0, 3], w[16 * (1 % (n // 16)) + 3, :2])  # the layout itself
-    out = linear(x, w, b, small_m_ok=False, pairs=pairs)
+    x = torch.randn(m, k).to(dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    panels = panel_pack(w)
+    if panels is None:
+        pytest.skip(f"no packed kernel for {dtype} on this CPU")
+    pairs = 2 if dtype == torch.bfloat16 else 1  # bf16 panels hold pairs along K, as vdpbf16ps reads them
+    p = 1 % (n // 16)
+    assert panels.reshape(n // 16, k // pairs, 16, pairs)[p, 0, 3].tolist() == w[16 * p + 3, :pairs].tolist()
+    out = linear(x, w, b, small_m_ok=False, panels=panels)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=8e-3)  # bf16 rounding of the output
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-@needs_pairs
-def test_pair_pack_declines_what_the_kernel_cannot_take():
-    assert pair_pack(torch.randn(32, 64)) is None                      # fp32: oneDNN / streaming kernel
-    assert pair_pack(torch.randn(24, 64).bfloat16()) is None           # N not a multiple of 16
-    assert pair_pack(torch.randn(32, 63).bfloat16()) is None           # odd K
-    with pytest.raises(RuntimeError, match="columns"):
-        torch.ops.pagoda.packed_linear(torch.randn(2, 62).bfloat16(), pair_pack(torch.randn(32, 64).bfloat16()))
+def test_panel_pack_declines_what_the_kernel_cannot_take():
+    assert panel_pack(torch.randn(24, 64)) is None                     # N not a multiple of 16
+    assert panel_pack(torch.randn(32, 63)) is None                     # odd K
+    assert panel_pack(torch.randn(32, 64).half()) is None              # fp16: F.linear
+    panels = panel_pack(torch.randn(32, 64))
+    if panels is not None:
+        with pytest.raises(RuntimeError, match="columns"):
+            torch.ops.pagoda.packed_linear(torch.randn(2, 62), panels)

@@ -1,6 +1,7 @@
 """Time quantized-linear candidates per shape and M: `python -m pagoda.bench.quant_kernels [--m 1,8,32]`.
 
-Rows: float baselines (F.linear fp32 / bf16), Pagoda's C++ streaming kernel per format
+Rows: float baselines (F.linear fp32 / bf16; oneDNN prepacked; Pagoda's panel-packed kernel, which the
+dense Linear runs), Pagoda's C++ streaming kernel per format
 (cpu/quant_linear.cpp), torch's packed ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu with
 bf16 activations) and dequantize-then-F.linear in bf16. Prints microseconds per call.
 """
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.linear import linear, prepack
+from pagoda.kernels.linear import linear, panel_pack, prepack
 from pagoda.kernels.quant_linear import dequant_linear, quant_linear
 from pagoda.quantization.methods import quantize_weight
 
@@ -40,7 +41,7 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
     out: dict[str, Callable[[], object]] = {
         "fp32 F.linear": lambda: F.linear(x, w),
         "bf16 F.linear": lambda: F.linear(xb, wb),
-        # What pagoda's dense Linear runs above SMALL_M rows (oneDNN on a weight packed at load).
+        # oneDNN on a weight packed at load: the dense Linear's path above SMALL_M rows where panels can't run.
         "fp32 prepacked": lambda: linear(x, w, None, small_m_ok=False, packed=p32),
         "bf16 prepacked": lambda: linear(xb, wb, None, small_m_ok=False, packed=p16),
         # The streaming kernel at every M (quant_linear itself switches at CPP_MAX_M).
@@ -49,6 +50,10 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         "fp8 pagoda": lambda: quant_linear(xb, pf, None, use_cpp=True, max_cpp_m=1 << 30),
         "int4 dequant(C++)+bf16": lambda: dequant_linear(xb, p4, None, use_cpp=True),
     }
+    for name, xx, ww in (("fp32 panels", x, w), ("bf16 panels", xb, wb)):  # the dense Linear's kernel
+        panels = panel_pack(ww)
+        if panels is not None:
+            out[name] = lambda xx=xx, ww=ww, panels=panels: linear(xx, ww, None, small_m_ok=False, panels=panels)
     if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # PAGODA_INT4_ACTIVATIONS=int8
         p4x8 = p4.interleave8()
         out["int4x8 int8-act"] = lambda: quant_linear(xb, p4x8, None, use_cpp=True, max_cpp_m=1 << 30)

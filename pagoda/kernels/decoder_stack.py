@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pagoda.layers.attention import AttentionMetadata
 
 # One linear as the op takes it: [weight or codes, scales, offsets, bias], format (-1: dense weight,
-# -2: pair-packed bf16 weight, else a quant_linear format), group size, and the most rows the stack
+# -2: panel-packed weight, else a quant_linear format), group size, and the most rows the stack
 # runs with it.
 LinearArgs = tuple[list[torch.Tensor | None], int, int, int]
 

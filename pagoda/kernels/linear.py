@@ -1,12 +1,13 @@
 """Dense linear op, on a copy of the weight laid out once at load.
 
-bf16 (AVX512-BF16): Pagoda's pair-packed GEMM (cpu/packed_linear.cpp) at every row count. Over all of
-SmolLM2's linears with cold weights it is 1.0x the streaming kernel below at 1-2 rows, 1.2-1.6x at 4-8,
-1.2-1.7x oneDNN's prepacked GEMM at 8-64 rows (batched decode), level from 256 (prefill).
-fp32: a weight-streaming kernel for the few-row (decode) case, and oneDNN's GEMM on a prepacked weight
-(beats F.linear, which re-lays the weight out on every call, from M = 9 up) for everything else.
-`python -m pagoda.bench.quant_kernels` times them per shape. The packed copy costs the weight's size
-in memory again.
+fp32 and bf16 on AVX-512: Pagoda's panel-packed GEMM (cpu/packed_linear.cpp) at every row count. Over
+all of SmolLM2's linears with cold weights (one call each, as a step runs them), against what ran
+before: bf16 1.0x the row-major streaming kernel at 1 row, 1.7x at 8; 1.2-1.3x oneDNN's prepacked GEMM
+at 16-64 rows (batched decode); level at 512 (prefill). fp32: 1.2x at 1 row, 2.1x at 8, 1.2-1.3x at
+16-64, level at 512. Elsewhere (shapes it can't take, other CPUs): the streaming kernel for few rows
+(SMALL_M) and oneDNN on a prepacked weight (beats F.linear, which re-lays the weight out on every call,
+from M = 9 up). `python -m pagoda.bench.quant_kernels` times them per shape. The packed copy costs the
+weight's size in memory again.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from pagoda.config import cpu_has_native_bf16
 from pagoda.kernels.cpu_extension import cpu_flags, has_avx512, kernel_available
 
 SMALL_M = 8  # rows up to which the streaming kernel beats oneDNN/MKL (decode batches)
-# Over pair-packed weights the C++ decoder stack runs every step: its linear kernel is the same at every
+PANEL = 16  # output columns per panel of packed_linear's layout
+# Over panel-packed weights the C++ decoder stack runs every step: its linear kernel is the same at every
 # row count, and one op call a step instead of ~8 a layer was +4% on bench throughput's 64-request run.
-PAIRS_STACK_MAX_M = 1 << 30
+PANELS_STACK_MAX_M = 1 << 30
 
 
 def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:
@@ -33,12 +35,18 @@ def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:
     return ok and kernel_available()
 
 
-def pair_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The pair-packed layout of a CPU bf16 weight [N, K] for packed_linear, or None where it can't take it."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 \
-            or weight.shape[0] % 16 or weight.shape[1] % 2 or not small_m_supported(torch.bfloat16, 32):
+def panel_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A CPU weight [N, K] in packed_linear's panels of 16 output columns: fp32 [N/16, K, 16], bf16
+    [N/16, K/2, 16, 2] (pairs along K); None where the kernel can't take it."""
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    if weight.device.type != "cpu" or n == 0 or n % PANEL or k % 2 or not kernel_available():
         return None
-    return torch.ops.pagoda.pack_bf16_pairs(weight.detach())
+    w = weight.detach()
+    if weight.dtype == torch.bfloat16 and cpu_has_native_bf16() and "avx512_bf16" in cpu_flags():
+        return w.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if weight.dtype == torch.float32 and has_avx512():
+        return w.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+    return None
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -53,13 +61,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m_ok: bool,
-           packed: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias). `pairs`: pair_pack(weight), used at every M when set;
+           packed: torch.Tensor | None = None, panels: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias). `panels`: panel_pack(weight), used at every M when set;
     else `small_m_ok`: small_m_supported() for this layer, and `packed`: prepack(weight), used above
     SMALL_M rows (same math as F.linear)."""
     if x.dim() == 2 and x.device.type == "cpu":
-        if pairs is not None and x.dtype == torch.bfloat16:
-            return torch.ops.pagoda.packed_linear(x.contiguous(), pairs, bias)
+        if panels is not None and x.dtype == panels.dtype:
+            return torch.ops.pagoda.packed_linear(x.contiguous(), panels, bias)
         if small_m_ok and x.shape[0] <= SMALL_M:
             return torch.ops.pagoda.small_m_linear(x.contiguous(), weight, bias)
         if packed is not None and x.dtype == weight.dtype:

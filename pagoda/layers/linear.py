@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels.decoder_stack import LinearArgs
-from pagoda.kernels.linear import PAIRS_STACK_MAX_M, SMALL_M, linear, pair_pack, prepack, small_m_supported
+from pagoda.kernels.linear import PANELS_STACK_MAX_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
 from pagoda.kernels.quant_linear import (
     CPP_MAX_M,
     FORMATS,
@@ -24,7 +24,7 @@ class Linear(nn.Linear):
 
     small_m_ok: bool = False
     packed: torch.Tensor | None = None  # oneDNN layout of the float weight (kernels.linear.prepack)
-    pairs: torch.Tensor | None = None   # or the bf16 weight pair-packed (kernels.linear.pair_pack)
+    panels: torch.Tensor | None = None  # or the weight in packed_linear's panels (kernels.linear.panel_pack)
     qweight: PackedWeight | None = None
     quant_cpp_ok: bool = False
 
@@ -44,8 +44,8 @@ class Linear(nn.Linear):
             self.quant_cpp_ok = cpp_supported(self.qweight)
             return
         w = self.weight
-        self.pairs = pair_pack(w)
-        if self.pairs is None:
+        self.panels = panel_pack(w)
+        if self.panels is None:
             self.small_m_ok = w.device.type == "cpu" and w.is_contiguous() and small_m_supported(w.dtype, w.shape[1])
             self.packed = prepack(w)
 
@@ -56,13 +56,13 @@ class Linear(nn.Linear):
         if pw is not None:
             return ([pw.data, pw.scales, pw.offsets, self.bias], FORMATS[pw.fmt], pw.group_size, CPP_MAX_M) \
                 if self.quant_cpp_ok else None
-        if self.pairs is not None:
-            return [self.pairs, None, None, self.bias], -2, 0, PAIRS_STACK_MAX_M
+        if self.panels is not None:
+            return [self.panels, None, None, self.bias], -2, 0, PANELS_STACK_MAX_M
         return ([self.weight, None, None, self.bias], -1, 0, SMALL_M) if self.small_m_ok else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return quant_linear(x, self.qweight, self.bias, self.quant_cpp_ok)
-        return linear(x, self.weight, self.bias, self.small_m_ok, self.packed, self.pairs)
+        return linear(x, self.weight, self.bias, self.small_m_ok, self.packed, self.panels)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

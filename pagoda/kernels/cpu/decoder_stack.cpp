@@ -7,7 +7,7 @@
 //
 // Per layer l: norms[2l], norms[2l+1] are the input and post-attention RMSNorm weights; linears
 // holds qkv, o, gate_up, down in that order, each as four entries (weight or codes, scales, offsets,
-// bias); formats[4l + i] is -1 for a dense weight (small_m_linear), -2 for a pair-packed bf16 weight
+// bias); formats[4l + i] is -1 for a dense weight (small_m_linear), -2 for a panel-packed weight
 // (packed_linear) or a quant_linear format, with
 // group_sizes[4l + i] its group size.
 
