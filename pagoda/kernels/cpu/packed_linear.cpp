@@ -33,13 +33,15 @@ constexpr int kStrip = 8;       // x rows per register tile
 // Rows [0, R) of x against NP consecutive panels starting at `w` (panels K*16 elements apart).
 template <typename T, int R, int NP>
 inline void tile(const T* __restrict x, int64_t ldx, const T* __restrict w, int64_t K, const T* __restrict bias,
-                 T* __restrict y, int64_t ldy) {
+                 T* __restrict y, int64_t ldy, const char* next) {
   __m512 acc[R][NP];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NP; ++v) acc[r][v] = _mm512_setzero_ps();
   const int64_t pstride = K * kPanel;
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t k = 0; k < K; ++k) {
+      if (next)
+        for (int v = 0; v < kTilePanels; ++v) _mm_prefetch(next + (v * pstride + k * kPanel) * sizeof(T), _MM_HINT_T1);
       __m512 wv[NP];
       for (int v = 0; v < NP; ++v) wv[v] = _mm512_loadu_ps(w + v * pstride + k * kPanel);
 #pragma GCC unroll 8
@@ -51,6 +53,9 @@ inline void tile(const T* __restrict x, int64_t ldx, const T* __restrict w, int6
   } else {
 #if defined(__AVX512BF16__)
     for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+      if (next)
+        for (int v = 0; v < kTilePanels; ++v)
+          _mm_prefetch(next + (v * pstride + k2 * 2 * kPanel) * sizeof(T), _MM_HINT_T1);
       __m512bh wv[NP];
       for (int v = 0; v < NP; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + v * pstride + k2 * 2 * kPanel);
 #pragma GCC unroll 8
@@ -67,11 +72,13 @@ inline void tile(const T* __restrict x, int64_t ldx, const T* __restrict w, int6
   }
 }
 
+// `next`: the following column tile's weights (or null), prefetched into L2 during the first strip.
 template <typename T, int NP>
-void column_tile(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t N) {
+void column_tile(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t N, const T* next) {
   for (int64_t m0 = 0; m0 < M; m0 += kStrip)
     dispatch_m(std::min<int64_t>(kStrip, M - m0), [&](auto rc) {
-      tile<T, decltype(rc)::value, NP>(x + m0 * K, K, w, K, bias, y + m0 * N, N);
+      tile<T, decltype(rc)::value, NP>(x + m0 * K, K, w, K, bias, y + m0 * N, N,
+                                       m0 == 0 ? reinterpret_cast<const char*>(next) : nullptr);
     });
 }
 
@@ -89,9 +96,11 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
       const T* wt = wp + p * K * kPanel;
       const T* bt = bp ? bp + p * kPanel : nullptr;
       T* yt = yp + p * kPanel;
-      if (np == 3) column_tile<T, 3>(xp, M, K, wt, bt, yt, N);
-      else if (np == 2) column_tile<T, 2>(xp, M, K, wt, bt, yt, N);
-      else column_tile<T, 1>(xp, M, K, wt, bt, yt, N);
+      // Only whole tiles: a prefetch past the weight's end would be harmless but pointless.
+      const T* next = t + 1 < t1 && p + 2 * kTilePanels <= panels ? wt + kTilePanels * K * kPanel : nullptr;
+      if (np == 3) column_tile<T, 3>(xp, M, K, wt, bt, yt, N, next);
+      else if (np == 2) column_tile<T, 2>(xp, M, K, wt, bt, yt, N, next);
+      else column_tile<T, 1>(xp, M, K, wt, bt, yt, N, next);
     }
   });
 }
