@@ -82,12 +82,13 @@ def test_fallbacks_match_kernels(fallback):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (5, 1000), (3, 7), (64, 517)])
-def test_argmax_rows_equals_torch_argmax(rows, vocab):
+def test_argmax_rows_equals_torch_argmax(rows, vocab, dtype):
     """First index of the maximum on ties (lanes merged by index), first NaN where a row has one,
-    -inf rows, vocabularies below one vector and with a ragged tail."""
+    -inf rows, vocabularies below one vector and with a ragged tail; bf16 logits (greedy steps) as is."""
     torch.manual_seed(rows)
-    x = torch.randn(rows, vocab)
+    x = torch.randn(rows, vocab).to(dtype)  # bf16: many ties, the first must win
     x[0, vocab // 3] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first must win
     if rows > 1:
         x[1] = float("-inf")

@@ -101,8 +101,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, dim=-1) of a [R, V] tensor; vectorized C++ for fp32 CPU logits (cpu/argmax.cpp:
+    """torch.argmax(x, dim=-1) of a [R, V] tensor; vectorized C++ for fp32 / bf16 CPU logits (cpu/argmax.cpp:
     torch's reduction takes ~80 us a row at SmolLM2's 49k vocabulary, 2.8 ms a step at 64 rows)."""
-    if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0 and x.stride(1) == 1 and _use_kernel(x):
+    if x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.shape[1] > 0 and x.stride(1) == 1 \
+            and _use_kernel(x):
         return torch.ops.pagoda.argmax_rows(x)
     return x.argmax(dim=-1)

@@ -107,7 +107,11 @@ def target_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[tor
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: fp32 [B, V] -> one token per row."""
+        """logits: [B, V] in the model's dtype -> one token per row."""
+        if batch.all_greedy and batch.max_logprobs < 0 and not batch.any_penalty \
+                and not any(batch.banned_token_ids):
+            # Plain greedy: the argmax of the logits as they are (widening bf16 to fp32 is exact).
+            return sampler_output(argmax_rows(logits), None, batch.max_logprobs)
         logits = logits.float()
         # Logprobs report the model's raw distribution, before any processing (vLLM v1's default).
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None

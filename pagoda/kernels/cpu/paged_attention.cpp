@@ -309,17 +309,38 @@ inline void pv_bf16_tile(const uint16_t* __restrict pb, const uint16_t* const* v
   }
 }
 
-// Where pv_bf16_tile keeps the output for d: 128-bit lane L of the unpacks holds d = 8L + 0..3 (low
-// half) and 8L + 4..7 (high half).
-inline int64_t pv_bf16_index(int64_t d) {
-  const int64_t r = d % 32;
-  return d - r + 16 * ((r % 8) / 4) + 4 * (r / 8) + r % 4;
+// Where pv_bf16_tile keeps d within its group of 32: 128-bit lane L of the unpacks holds d = 8L + 0..3
+// (first 16 floats) and 8L + 4..7 (next 16). The permutex2var index over (first, next) that puts
+// d = base..base+15 back in order.
+inline __m512i pv_unpermute(int base) {
+  alignas(64) int32_t idx[16];
+  for (int i = 0; i < 16; ++i) {
+    const int d = base + i;
+    idx[i] = 16 * ((d % 8) / 4) + 4 * (d / 8) + d % 4;
+  }
+  return _mm512_load_si512(idx);
 }
 template <int R> struct PVB { template <typename... A> static void run(A... a) { pv_bf16_tile<R>(a...); } };
 constexpr bool kBf16Rows = true;
 #else
 constexpr bool kBf16Rows = false;
 #endif
+
+// Consecutive key positions through a block table, without a division per key (which cost more than a
+// key's arithmetic in decode).
+struct BlockWalk {
+  const int32_t* bt;
+  int64_t bs, index, off;
+  BlockWalk(const int32_t* table, int64_t block_size, int64_t pos)
+      : bt(table), bs(block_size), index(pos / block_size), off(pos % block_size) {}
+  int64_t block() const { return bt[index]; }
+  void next() {
+    if (++off == bs) {
+      off = 0;
+      ++index;
+    }
+  }
+};
 
 struct WorkItem {
   int32_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) within the sequence
@@ -394,8 +415,9 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     // Request the next chunk's K and V rows now: a sequence's blocks lie anywhere in the pool, so the
     // hardware prefetcher loses the stream at every block, and decode steps read the whole context
     // from memory (measured: a layer of 20 sequences x 200 keys took 350 us cold against 180 us hot).
-    for (int64_t pos = c0 + KC, end = std::min<int64_t>(kv_end, c0 + 2 * KC); pos < end; ++pos) {
-      const int64_t blk = bt[pos / bs], off = pos % bs;
+    BlockWalk ahead(bt, bs, c0 + KC);
+    for (int64_t pos = c0 + KC, end = std::min<int64_t>(kv_end, c0 + 2 * KC); pos < end; ++pos, ahead.next()) {
+      const int64_t blk = ahead.block(), off = ahead.off;
       const char* kr = reinterpret_cast<const char*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2);
       const char* vr = reinterpret_cast<const char*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
       for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
@@ -406,12 +428,13 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #endif
 #if defined(__AVX512BF16__)
     if (bf16_rows) {
-      for (int j = 0; j < KC; ++j) {  // padding keys point at zeros (the cache may hold NaN garbage); masked
+      BlockWalk walk(bt, bs, c0);
+      for (int j = 0; j < KC; ++j, walk.next()) {  // padding keys point at zeros (the cache may hold NaN); masked
         if (j >= nk) {
           sc.krows16[j] = sc.vrows16[j] = sc.zeros16.data();
           continue;
         }
-        const int64_t pos = c0 + j, blk = bt[pos / bs], off = pos % bs;
+        const int64_t blk = walk.block(), off = walk.off;
         sc.krows16[j] = reinterpret_cast<const uint16_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2);
         sc.vrows16[j] = reinterpret_cast<const uint16_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
       }
@@ -424,14 +447,14 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #if defined(__AVX512F__)
     if constexpr (!kQuantized<C>) {  // K rows staged row-major in fp32, then transposed 16x16 at a time
       float* Kr = sc.kr.data();
-      for (int j = 0; j < KC; ++j) {
+      BlockWalk walk(bt, bs, c0);
+      for (int j = 0; j < KC; ++j, walk.next()) {
         if (j >= nk) {  // padding keys never touch the cache (it may hold NaN garbage); they are masked
           std::fill(Kr + j * D, Kr + (j + 1) * D, 0.f);
           vrows[j] = sc.zeros.data();
           continue;
         }
-        const int64_t pos = c0 + j;
-        const int64_t blk = bt[pos / bs], off = pos % bs;
+        const int64_t blk = walk.block(), off = walk.off;
         const C* krow = kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2;
         const C* vrow = vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2;
         row_to_f32(krow, Kr + j * D, D);
@@ -448,9 +471,9 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     } else
 #endif
     {
-    for (int j = 0; j < nk; ++j) {
-      const int64_t pos = c0 + j;
-      const int64_t blk = bt[pos / bs], off = pos % bs;
+    BlockWalk walk(bt, bs, c0);
+    for (int j = 0; j < nk; ++j, walk.next()) {
+      const int64_t blk = walk.block(), off = walk.off;
       const C* krow = kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2;
       const C* vrow = vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2;
       if constexpr (kQuantized<C>) {
@@ -538,7 +561,11 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
       const float* src = O + r * D;
 #if defined(__AVX512BF16__)
       if (bf16_rows) {
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[pv_bf16_index(d)] * inv);
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
+          store16(dst + d, _mm512_mul_ps(_mm512_permutex2var_ps(lo, pv_unpermute(0), hi), _mm512_set1_ps(inv)));
+          store16(dst + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, pv_unpermute(16), hi), _mm512_set1_ps(inv)));
+        }
         continue;
       }
 #endif
