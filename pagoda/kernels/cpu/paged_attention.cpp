@@ -5,6 +5,11 @@
 // group. Keys are processed in chunks of KC keys gathered through the block table;
 // scores use an online (flash-attention style) softmax in fp32.
 //
+// A bf16 cache (with AVX512-BF16) is multiplied by bf16 dot products (vdpbf16ps, fp32 sums): scores
+// straight from the cache rows for items of up to 8 rows (decode), from K staged as pairs for more
+// (prefill), and P rounded to bf16 times V rows read in place. fp32 and 8-bit caches stage each chunk
+// in fp32 and use fp32 FMAs.
+//
 // Only light ATen headers are included: <torch/extension.h> costs ~30 s of compile
 // time versus ~6 s for these. The op is registered through TORCH_LIBRARY (no
 // pybind11) and called from Python as torch.ops.pagoda.paged_attention.
@@ -279,6 +284,31 @@ inline void qk_bf16(const uint16_t* const* qrows, int rows, const uint16_t* cons
   }
 }
 
+// Many-row items over a bf16 cache: S[R][KC] = scale * Q @ K^T with K staged as pairs of d per key,
+// kp[d/2][j] = (k_j[d], k_j[d+1]) as one 32-bit word, so one vdpbf16ps adds two products for 16 keys.
+// Staging is a 32-bit transpose of the raw rows: no conversion, and half the transposes of fp32 staging.
+template <int R>
+inline void qk_pairs_tile(const uint16_t* const* qrows, const uint32_t* __restrict kp, int64_t D, float scale,
+                          float* __restrict s) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + d2 * KC), k1 = (__m512bh)_mm512_loadu_si512(kp + d2 * KC + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qrows[r] + 2 * d2));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], k0, qb);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], k1, qb);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * KC, _mm512_mul_ps(acc0[r], sc));
+    _mm512_storeu_ps(s + r * KC + 16, _mm512_mul_ps(acc1[r], sc));
+  }
+}
+template <int R> struct QKP { template <typename... A> static void run(A... a) { qk_pairs_tile<R>(a...); } };
+
 // O[R][D] += P[R][nk] @ V[nk][D] for bf16 V rows read in place, with P rounded to bf16 (as flash
 // attention does): two keys' rows are interleaved into (v_j[d], v_j+1[d]) pairs, so one vdpbf16ps adds
 // both keys' terms for 16 values of d. The interleave runs within 128-bit lanes, so O holds each group of
@@ -321,9 +351,9 @@ inline __m512i pv_unpermute(int base) {
   return _mm512_load_si512(idx);
 }
 template <int R> struct PVB { template <typename... A> static void run(A... a) { pv_bf16_tile<R>(a...); } };
-constexpr bool kBf16Rows = true;
+constexpr bool kBf16Dot = true;
 #else
-constexpr bool kBf16Rows = false;
+constexpr bool kBf16Dot = false;
 #endif
 
 // Consecutive key positions through a block table, without a division per key (which cost more than a
@@ -362,11 +392,12 @@ struct Args {
 struct Scratch {
   std::vector<float> q, s, o, kt, kr, vbuf, m, l, zeros;
   std::vector<const float*> vrows;
-  std::vector<uint16_t> zeros16, pb;                // the bf16 rows path (qk_bf16): row pointers, no copies
+  std::vector<uint16_t> zeros16, pb;                // bf16 caches: rows read through pointers, P in bf16
   std::vector<const uint16_t*> qrows16, krows16, vrows16;
+  std::vector<uint32_t> kp;                          // K as pairs of d per key (qk_pairs_tile)
   Scratch(int64_t rows, int64_t D)
       : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), kr(KC * D), vbuf(KC * D), m(rows), l(rows * W),
-        zeros(D, 0.f), vrows(KC), zeros16(D, 0), pb(RB * KC), qrows16(RB), krows16(KC), vrows16(KC) {}
+        zeros(D, 0.f), vrows(KC), zeros16(D, 0), pb(rows * KC), qrows16(rows), krows16(KC), vrows16(KC), kp(D / 2 * KC) {}
 };
 
 // T: the dtype of q and out; C: the cache element (T itself, or an 8-bit tag).
@@ -385,14 +416,15 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   const float* lut = nullptr;
   if constexpr (kQuantized<C>) lut = decode_table<C>();
 
-  // A few rows over a bf16 cache read K and V rows in place (qk_bf16, pv_bf16_tile).
-  const bool bf16_rows = kBf16Rows && std::is_same<C, c10::BFloat16>::value && rows <= RB && D % 32 == 0;
-  // Row r = (query i, head h of the group) with r = i * G + h; pre-scale Q (the bf16 rows path scales S).
+  // Over a bf16 cache, V rows are read in place (pv_bf16_tile), and K too for a few rows (qk_bf16); many
+  // rows stage K as pairs (qk_pairs_tile).
+  const bool bf16_cache = kBf16Dot && std::is_same<C, c10::BFloat16>::value && D % 32 == 0;
+  // Row r = (query i, head h of the group) with r = i * G + h; pre-scale Q (bf16 caches scale S).
   float* Q = sc.q.data();
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t h = 0; h < G; ++h) {
       const T* src = q + ((q0 + it.q_begin + i) * a.Hq + it.kv_head * G + h) * D;
-      if (bf16_rows) {
+      if (bf16_cache) {
         sc.qrows16[i * G + h] = reinterpret_cast<const uint16_t*>(src);
         continue;
       }
@@ -427,7 +459,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     }
 #endif
 #if defined(__AVX512BF16__)
-    if (bf16_rows) {
+    if (bf16_cache) {
       BlockWalk walk(bt, bs, c0);
       for (int j = 0; j < KC; ++j, walk.next()) {  // padding keys point at zeros (the cache may hold NaN); masked
         if (j >= nk) {
@@ -438,7 +470,23 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
         sc.krows16[j] = reinterpret_cast<const uint16_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2);
         sc.vrows16[j] = reinterpret_cast<const uint16_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
       }
-      qk_bf16(sc.qrows16.data(), static_cast<int>(rows), sc.krows16.data(), D, a.scale, S);
+      if (rows <= RB) {
+        qk_bf16(sc.qrows16.data(), static_cast<int>(rows), sc.krows16.data(), D, a.scale, S);
+      } else {
+        uint32_t* kp = sc.kp.data();
+        const int64_t D2 = D / 2;
+        for (int jb = 0; jb < KC; jb += 16)  // 16 keys x 16 words -> kp[d2][jb + j]
+          for (int64_t db = 0; db < D2; db += 16) {
+            alignas(64) uint32_t rows16[16 * 16];
+            for (int j = 0; j < 16; ++j)
+              std::memcpy(rows16 + j * 16, sc.krows16[jb + j] + 2 * db, 64);
+            transpose16x16(reinterpret_cast<const float*>(rows16), 16, reinterpret_cast<float*>(kp + db * KC + jb), KC);
+          }
+        for (int64_t r0 = 0; r0 < rows; r0 += RB)
+          dispatch_rows<QKP>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
+                             static_cast<const uint16_t* const*>(sc.qrows16.data() + r0),
+                             static_cast<const uint32_t*>(kp), D, a.scale, S + r0 * KC);
+      }
     } else
 #endif
     {
@@ -536,13 +584,15 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     }
 
 #if defined(__AVX512BF16__)
-    if (bf16_rows) {
+    if (bf16_cache) {
       uint16_t* pb = sc.pb.data();
       for (int64_t r = 0; r < rows; ++r)
         _mm512_storeu_si512(pb + r * KC, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(S + r * KC + W),
                                                                       _mm512_loadu_ps(S + r * KC)));
-      dispatch_rows<PVB>(static_cast<int>(rows), static_cast<const uint16_t*>(pb),
-                         static_cast<const uint16_t* const*>(sc.vrows16.data()), nk, D, O);
+      for (int64_t r0 = 0; r0 < rows; r0 += RB)
+        dispatch_rows<PVB>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
+                           static_cast<const uint16_t*>(pb + r0 * KC),
+                           static_cast<const uint16_t* const*>(sc.vrows16.data()), nk, D, O + r0 * D);
       continue;
     }
 #endif
@@ -560,7 +610,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
       T* dst = out + ((q0 + it.q_begin + i) * a.Hq + it.kv_head * G + h) * D;
       const float* src = O + r * D;
 #if defined(__AVX512BF16__)
-      if (bf16_rows) {
+      if (bf16_cache) {
         for (int64_t d = 0; d < D; d += 32) {
           const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
           store16(dst + d, _mm512_mul_ps(_mm512_permutex2var_ps(lo, pv_unpermute(0), hi), _mm512_set1_ps(inv)));
