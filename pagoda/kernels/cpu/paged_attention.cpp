@@ -263,9 +263,9 @@ inline __m512 sum16(__m512* v) {
 }
 
 // Few-row steps over a bf16 cache (decode): S[r][j] = scale * q_r . k_j straight from the cache rows,
-// bf16 products summed in fp32 (vdpbf16ps), with no fp32 staging or transpose of K. The staged path
-// converts and transposes every chunk of K once for all rows of a work item, which pays off only when
-// there are many rows (prefill); a decode item has one query's G heads.
+// bf16 products summed in fp32 (vdpbf16ps), with no staging of K. Staging a chunk of K once for all rows
+// of a work item (qk_pairs_tile) pays off only when there are many rows (prefill); a decode item has one
+// query's G heads.
 inline void qk_bf16(const uint16_t* const* qrows, int rows, const uint16_t* const* krows, int64_t D,
                     float scale, float* __restrict s) {
   for (int r = 0; r < rows; ++r) {
@@ -312,7 +312,7 @@ template <int R> struct QKP { template <typename... A> static void run(A... a) {
 // O[R][D] += P[R][nk] @ V[nk][D] for bf16 V rows read in place, with P rounded to bf16 (as flash
 // attention does): two keys' rows are interleaved into (v_j[d], v_j+1[d]) pairs, so one vdpbf16ps adds
 // both keys' terms for 16 values of d. The interleave runs within 128-bit lanes, so O holds each group of
-// 32 values of d permuted (see pv_bf16_index); pb: P as bf16, rows KC apart.
+// 32 values of d permuted (see pv_unpermute); pb: P as bf16, rows KC apart.
 template <int R>
 inline void pv_bf16_tile(const uint16_t* __restrict pb, const uint16_t* const* vrows, int nk, int64_t D,
                          float* __restrict o) {
