@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagoda.bench.quant_kernels import _dense_kernels
 from pagoda.kernels.linear import SMALL_M, linear, panel_pack, prepack, small_m_supported
 
 
@@ -81,3 +82,18 @@ def test_panel_pack_declines_what_the_kernel_cannot_take():
     if panels is not None:
         with pytest.raises(RuntimeError, match="columns"):
             torch.ops.pagoda.packed_linear(torch.randn(2, 62), panels)
+
+
+@pytest.mark.skipif(not small_m_supported(torch.bfloat16, 64), reason="needs AVX512-BF16 kernels")
+def test_model_sweep_times_panels_against_the_kernel_they_replaced():
+    """`quant_kernels --model-sweep`: the streaming kernel up to SMALL_M rows, oneDNN above, then panels;
+    all computing the same product."""
+    ws = [(torch.randn(32, 64) / 8).bfloat16(), (torch.randn(48, 64) / 8).bfloat16()]
+    for m, before in ((SMALL_M, "streaming"), (SMALL_M + 12, "oneDNN prepacked")):
+        kernels = _dense_kernels(torch.bfloat16, ws, m)
+        assert list(kernels) == [before, "panels"]
+        x = torch.randn(m, 64).bfloat16()
+        for i, w in enumerate(ws):
+            ref = F.linear(x.float(), w.float())
+            for fn in kernels.values():
+                torch.testing.assert_close(fn(x, i).float(), ref, atol=1e-2, rtol=8e-3)

@@ -4,6 +4,10 @@ Rows: float baselines (F.linear fp32 / bf16; oneDNN prepacked; Pagoda's panel-pa
 dense Linear runs), Pagoda's C++ streaming kernel per format
 (cpu/quant_linear.cpp), torch's packed ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu with
 bf16 activations) and dequantize-then-F.linear in bf16. Prints microseconds per call.
+
+`--model-sweep DTYPE` times the dense kernels the way a step meets them instead: every one of SmolLM2's
+30 layers with its own weights (cold in cache) plus the LM head, one call each, rounds alternating
+between the kernels, best of `--rounds`; milliseconds per step.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.linear import linear, panel_pack, prepack
+from pagoda.kernels.linear import SMALL_M, linear, panel_pack, prepack, small_m_supported
 from pagoda.kernels.quant_linear import dequant_linear, quant_linear
 from pagoda.quantization.methods import quantize_weight
 
@@ -72,14 +76,58 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
     return out
 
 
+NUM_LAYERS = 30
+
+
+LayerCall = Callable[[torch.Tensor, int], object]  # (x, index of the weight)
+
+
+def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[str, LayerCall]:
+    """At m rows: what the dense Linear ran before panels (streaming kernel or oneDNN), first; then panels."""
+    panels = [panel_pack(w) for w in ws]
+    streaming = m <= SMALL_M and all(small_m_supported(dtype, w.shape[1]) for w in ws)
+    prev = "streaming" if streaming else "oneDNN prepacked"
+    packed = [prepack(w) for w in ws] if prev == "oneDNN prepacked" else [None] * len(ws)
+    out: dict[str, LayerCall] = {
+        prev: lambda x, i: linear(x, ws[i], None, small_m_ok=prev == "streaming", packed=packed[i])}
+    if all(p is not None for p in panels):
+        out["panels"] = lambda x, i: linear(x, ws[i], None, small_m_ok=False, panels=panels[i])
+    return out
+
+
+def model_sweep(dtype: torch.dtype, ms: list[int], rounds: int = 4) -> None:
+    shapes = SHAPES[:-1] * NUM_LAYERS + SHAPES[-1:]
+    ws = [(torch.randn(n, k) / k**0.5).to(dtype) for k, n in shapes]
+    for m in ms:
+        xs = {k: torch.randn(m, k).to(dtype) for k, _ in SHAPES}
+        kernels = _dense_kernels(dtype, ws, m)
+        best = dict.fromkeys(kernels, float("inf"))
+        for _ in range(rounds):
+            for name, fn in kernels.items():
+                t0 = time.perf_counter()
+                for i, (k, _) in enumerate(shapes):
+                    fn(xs[k], i)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        cells = "  ".join(f"{name}={t * 1e3:7.1f} ms" for name, t in best.items())
+        before = next(iter(best))
+        ratio = f"  panels vs {before}: {best[before] / best['panels']:.2f}x" if "panels" in best else ""
+        print(f"{dtype} M={m:4d}  {cells}{ratio}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--m", default="1,4,8,32,128,512")
     ap.add_argument("--shapes", default=None, help="K:N,K:N (default: SmolLM2-135M's)")
+    ap.add_argument("--model-sweep", choices=["float32", "bfloat16"], default=None,
+                    help="time the dense kernels over a whole model's linears per step instead (cold weights)")
+    ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args(argv)
     if not kernel_available():
         raise SystemExit("pagoda's C++ kernels are unavailable on this machine")
     torch.manual_seed(0)
+    if args.model_sweep:
+        model_sweep(getattr(torch, args.model_sweep), [int(v) for v in args.m.split(",")], args.rounds)
+        return
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     for k, n in shapes:
         for m in (int(v) for v in args.m.split(",")):
