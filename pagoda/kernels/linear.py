@@ -24,29 +24,33 @@ PANEL = 16  # output columns per panel of packed_linear's layout
 PANELS_STACK_MAX_M = 1 << 30
 
 
-def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:
-    """The C++ kernel is built with -march=native: AVX-512 for fp32, AVX512-BF16 for bf16."""
+def vector_kernels(dtype: torch.dtype) -> bool:
+    """Whether the C++ linear kernels (built with -march=native) run `dtype` here: AVX-512 for fp32,
+    AVX512-BF16 for bf16."""
     if dtype == torch.bfloat16:
-        ok = cpu_has_native_bf16() and "avx512_bf16" in cpu_flags() and in_features % 32 == 0
+        ok = cpu_has_native_bf16() and "avx512_bf16" in cpu_flags()
     elif dtype == torch.float32:
-        ok = has_avx512() and in_features % 16 == 0
+        ok = has_avx512()
     else:
         return False
     return ok and kernel_available()
+
+
+def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:
+    """The streaming kernel also needs K to fill whole vectors (32 bf16 or 16 fp32 values)."""
+    return vector_kernels(dtype) and in_features % (32 if dtype == torch.bfloat16 else 16) == 0
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """A CPU weight [N, K] in packed_linear's panels of 16 output columns: fp32 [N/16, K, 16], bf16
     [N/16, K/2, 16, 2] (pairs along K); None where the kernel can't take it."""
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    if weight.device.type != "cpu" or n == 0 or n % PANEL or k % 2 or not kernel_available():
+    if weight.device.type != "cpu" or n == 0 or n % PANEL or k % 2 or not vector_kernels(weight.dtype):
         return None
     w = weight.detach()
-    if weight.dtype == torch.bfloat16 and cpu_has_native_bf16() and "avx512_bf16" in cpu_flags():
+    if weight.dtype == torch.bfloat16:
         return w.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    if weight.dtype == torch.float32 and has_avx512():
-        return w.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
-    return None
+    return w.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
