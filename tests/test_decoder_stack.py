@@ -49,8 +49,13 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
     if int8_activations and torch.ops.pagoda.int4x8_supported(64, 64):
         assert net.layers[0].mlp.down_proj.qweight.fmt == "int4x8"
     stack = net.stack
-    panels = net.layers[0].mlp.down_proj.panels is not None  # dense weights: every step, prefill too
-    assert stack is not None and stack.max_rows == (16 if quantization else PANELS_STACK_MAX_M if panels else 8)
+    down = net.layers[0].mlp.down_proj
+    if quantization == "int4" and dtype == "bfloat16" and not int8_activations \
+            and torch.ops.pagoda.int4_panels_supported(64, 64):
+        assert down.qweight.fmt == "int4p"
+    # Panel-packed weights, dense or INT4: one kernel at every row count, so every step, prefill too.
+    panels = down.panels is not None or (down.qweight is not None and down.qweight.fmt == "int4p")
+    assert stack is not None and stack.max_rows == (PANELS_STACK_MAX_M if panels else 16 if quantization else 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, ops = _run(llm, params)
     assert "pagoda::decoder_stack" in ops  # decode steps (3 rows) went through it

@@ -169,16 +169,78 @@ def test_int4x8_layout_round_trips_and_dequantizes_alike(dtype):
 def test_int4_activation_mode_is_chosen_by_the_environment(monkeypatch):
     from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV, kernel_layout
 
-    pw, _ = _case("int4", 576, 40, False, 64)
+    pw, _ = _case("int4", 576, 48, False, 64)
+    f32, bf16 = torch.float32, torch.bfloat16
     monkeypatch.delenv(INT4_ACTIVATIONS_ENV, raising=False)
-    assert kernel_layout(pw) is pw  # default: float activations, row layout
+    # Default: float activations; fp32 keeps the row layout, bf16 takes the panels where the build has them.
+    assert kernel_layout(pw, f32) is pw
+    panels = cpp_supported(pw) and torch.ops.pagoda.int4_panels_supported(576, 64)
+    assert kernel_layout(pw, bf16).fmt == ("int4p" if panels else "int4")
+    odd_rows, _ = _case("int4", 576, 41, False, 64)
+    assert kernel_layout(odd_rows, bf16) is odd_rows  # panels of 16 columns
+    q8, _ = _case("int8", 576, 48, False)  # INT8 (the INT4 methods' LM head) takes the panels as two halves
+    assert kernel_layout(q8, f32) is q8 and kernel_layout(q8, bf16).fmt == ("int8p" if panels else "int8")
     monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int8")
     vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
-    assert kernel_layout(pw).fmt == ("int4x8" if vnni else "int4")
-    odd_rows, _ = _case("int4", 576, 41, False, 64)
-    assert kernel_layout(odd_rows) is odd_rows  # blocks of 8 rows
+    for dtype in (f32, bf16):
+        assert kernel_layout(pw, dtype).fmt == ("int4x8" if vnni else "int4")
+    assert kernel_layout(odd_rows, bf16) is odd_rows  # blocks of 8 rows
     int8, _ = _case("int8", 576, 40, False)
-    assert kernel_layout(int8) is int8
+    assert kernel_layout(int8, bf16) is int8
     monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int4")
     with pytest.raises(ValueError, match=INT4_ACTIVATIONS_ENV):
-        kernel_layout(pw)
+        kernel_layout(pw, bf16)
+
+
+_PANELS = pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4_panels_supported(64, 64)),
+                             reason="INT4 panels need the C++ kernels with AVX512-BF16")
+
+
+@_PANELS
+@pytest.mark.parametrize("k,n,group", [(576, 960, 64), (1536, 48, 64), (128, 16, 32), (640, 112, 128), (96, 32, 32)])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 13, 33, 129, 200])
+@pytest.mark.parametrize("method,offsets", [("int4", True), ("int4", False), ("int8", False), ("int8", True)])
+def test_panel_kernel_matches_the_dequantized_reference(k, n, group, m, method, offsets):
+    """INT4 panels and INT8 as two INT4 halves, at every row count (one row, strips of 8 and a partial
+    strip, the dequantize-per-tile path above 128 rows, 32 for INT8), panel counts that leave partial
+    tiles, groups of 32-128, with and without offsets."""
+    pw, b = _case(method, k, n, bias=m % 2 == 1, group=group, seed=m)
+    if method == "int8":  # grouped, as GGUF's Q8_0 is, and optionally with offsets
+        g = torch.rand(n, k // group) / 64 + 1e-3
+        pw = PackedWeight("int8", pw.data, g, torch.randn(n, k // group) / 64 if offsets else None, group, k)
+    elif not offsets:
+        pw = PackedWeight("int4", pw.data, pw.scales, None, group, k)
+    p = pw.panels16() if method == "int4" else pw.int8_panels()
+    assert p.fmt == method + "p" and p.out_features == n and cpp_supported(p)
+    x = torch.randn(m, k).bfloat16()
+    out = quant_linear(x, p, b)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    # Few rows: the codes are exact and the sums fp32; many: the weight is rounded to bf16 once.
+    w = pw.dequantize() if m <= (128 if method == "int4" else 32) else pw.dequantize(torch.bfloat16).float()
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < 2**-8, err  # one bf16 rounding of the output, plus fp32 summation
+
+
+@_PANELS
+def test_panel_layouts_round_trip():
+    pw, _ = _case("int4", 640, 48, False, 64)
+    p = pw.panels16()
+    assert p.data.shape == (3, 80, 64) and p.scales.shape == (3, 10, 16)
+    back = p.row_major()
+    for got, want in ((back.data, pw.data), (back.scales, pw.scales), (back.offsets, pw.offsets)):
+        assert torch.equal(got, want)
+    assert torch.equal(p.dequantize(), pw.dequantize())
+    assert torch.equal(p.rows(torch.tensor([5, 0])).dequantize(), pw.dequantize()[[5, 0]])
+    assert torch.equal(PackedWeight.cat([p, pw]).dequantize(), torch.cat([pw.dequantize()] * 2))
+    # fp32 activations (not the panel kernel's) still get the right product, through the reference.
+    x = torch.randn(3, 640)
+    torch.testing.assert_close(quant_linear(x, p, None), _ref(x, pw, None), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="int4p"):
+        _case("int4", 640, 40, False, 64)[0].panels16()
+    q8, _ = _case("int8", 640, 48, False)
+    p8 = q8.int8_panels()
+    assert p8.data.shape == (3, 160, 64) and p8.in_features == 640
+    back = p8.row_major()
+    assert back.fmt == "int8" and torch.equal(back.data, q8.data) and torch.equal(back.scales, q8.scales)
+    assert back.offsets is None and torch.equal(p8.dequantize(), q8.dequantize())

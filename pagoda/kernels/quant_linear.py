@@ -13,6 +13,7 @@ would plug in as another branch of `quant_linear`.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -20,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.linear import PANEL
 
-FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "int4x8": 3}
+FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "int4x8": 3, "int4p": 4, "int8p": 5}
+PANEL_FORMATS = ("int4p", "int8p")  # the panel kernel's (cpu/int4_panel_linear.cpp), at every row count
 
 # "float" (default: INT4 stays weight-only) or "int8" (int4x8, see kernel_layout; its perplexity cost is in
 # docs/benchmarks.md). Read when a model is prepared.
@@ -30,16 +33,16 @@ INT4_ACTIVATIONS_ENV = "PAGODA_INT4_ACTIVATIONS"
 
 @dataclass
 class PackedWeight:
-    fmt: str                     # "int4" | "int8" | "fp8" | "int4x8" (int4 in 8-row blocks, see interleave8)
+    fmt: str                     # "int4" | "int8" | "fp8" | "int4x8" (interleave8) | "int4p" / "int8p" (panels16)
     data: torch.Tensor           # int4: uint8 [N, K // 2] (low nibble = even k); int8: int8 [N, K]; fp8: uint8 [N, K]
-    scales: torch.Tensor         # fp32 [N, K // group_size] (int4x8: [N // 8, K // group_size, 8])
+    scales: torch.Tensor         # fp32 [N, K // group_size] (int4x8: [N // 8, G, 8]; int4p: [N // 16, G, 16])
     offsets: torch.Tensor | None  # like scales, or None (symmetric)
     group_size: int
     in_features: int
 
     @property
     def out_features(self) -> int:
-        return self.data.shape[0] * (8 if self.fmt == "int4x8" else 1)
+        return self.data.shape[0] * {"int4x8": 8, "int4p": PANEL, "int8p": PANEL}.get(self.fmt, 1)
 
     @property
     def nbytes(self) -> int:
@@ -57,8 +60,56 @@ class PackedWeight:
         return PackedWeight("int4x8", data.contiguous(), _blocks_of_8(self.scales),
                             None if self.offsets is None else _blocks_of_8(self.offsets), self.group_size, k)
 
+    def panels16(self) -> "PackedWeight":
+        """INT4 as int4p, the layout of the bf16 panel kernel (cpu/int4_panel_linear.cpp): codes uint8
+        [N / 16, K / 8, 64], one 64-byte block per 8 k x 16 columns, nibbles placed so that unpacking each
+        half against a 0x43 byte yields vdpbf16ps operands; scales and offsets as [N / 16, G, 16]."""
+        if self.fmt != "int4" or self.out_features % PANEL or self.group_size % 8:
+            raise ValueError(f"int4p needs int4 with rows % {PANEL} == 0 and groups of a multiple of 8, not "
+                             f"{self.fmt} [{self.out_features}, {self.in_features}] g{self.group_size}")
+        n, k = self.out_features, self.in_features
+        c, k_lo, k_hi = _panel_byte_map()
+        q = self.codes().to(torch.uint8).view(n // PANEL, PANEL, k // 8, 8).transpose(1, 2)  # [P, K/8, 16, 8]
+        data = q[:, :, c, k_lo] | (q[:, :, c, k_hi] << 4)
+        return PackedWeight("int4p", data.contiguous(), _panels_of(self.scales),
+                            None if self.offsets is None else _panels_of(self.offsets), self.group_size, k)
+
+    def int8_panels(self) -> "PackedWeight":
+        """INT8 as int8p: the panel kernel's INT4 layout of a [N, 2K] weight [h | l], where u = q + 128 = 16 h + l
+        (so 8-bit codes are exact bf16 dot-product operands too). The kernel multiplies the h half by 16 x;
+        the l half's offsets, -128 s (plus any offset of q), take the 128 back off. Scales [N / 16, 2G, 16]."""
+        if self.fmt != "int8" or self.out_features % PANEL or self.group_size % 8:
+            raise ValueError(f"int8p needs int8 with rows % {PANEL} == 0 and groups of a multiple of 8, not "
+                             f"{self.fmt} [{self.out_features}, {self.in_features}] g{self.group_size}")
+        u = (self.data.to(torch.int16) + 128).to(torch.uint8)
+        halves = torch.cat([u >> 4, u & 0xF], dim=1)
+        offsets = -128 * self.scales if self.offsets is None else self.offsets - 128 * self.scales
+        pw = PackedWeight("int4", (halves[:, 0::2] | (halves[:, 1::2] << 4)).contiguous(),
+                          torch.cat([self.scales, self.scales], 1), torch.cat([torch.zeros_like(offsets), offsets], 1),
+                          self.group_size, 2 * self.in_features).panels16()
+        return PackedWeight("int8p", pw.data, pw.scales, pw.offsets, self.group_size, self.in_features)
+
     def row_major(self) -> "PackedWeight":
-        """The inverse of interleave8 (any other format is returned as it is)."""
+        """The inverse of interleave8, panels16 and int8_panels (any other format is returned as it is)."""
+        if self.fmt == "int8p":
+            k, g = self.in_features, self.in_features // self.group_size
+            halves = PackedWeight("int4p", self.data, self.scales, self.offsets, self.group_size, 2 * k).row_major()
+            u = halves.codes().to(torch.int16)
+            q = (16 * u[:, :k] + u[:, k:] - 128).to(torch.int8)
+            scales = halves.scales[:, :g].contiguous()
+            offsets = halves.offsets[:, g:] + 128 * scales
+            return PackedWeight("int8", q.contiguous(), scales, offsets.contiguous() if offsets.any() else None,
+                                self.group_size, k)
+        if self.fmt == "int4p":
+            n, k = self.out_features, self.in_features
+            c, k_lo, k_hi = _panel_byte_map()
+            q = torch.empty(n // PANEL, k // 8, PANEL, 8, dtype=torch.uint8)
+            q[:, :, c, k_lo] = self.data & 0xF
+            q[:, :, c, k_hi] = self.data >> 4
+            q = q.transpose(1, 2).reshape(n, k)
+            offsets = None if self.offsets is None else _rows_of(self.offsets)
+            return PackedWeight("int4", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), _rows_of(self.scales),
+                                offsets, self.group_size, k)
         if self.fmt != "int4x8":
             return self
         n, k = self.out_features, self.in_features
@@ -68,7 +119,7 @@ class PackedWeight:
 
     def codes(self) -> torch.Tensor:
         """Per-weight codes as fp32 [N, K] (FP8: the e4m3 values themselves)."""
-        if self.fmt == "int4x8":
+        if self.fmt in ("int4x8", *PANEL_FORMATS):
             return self.row_major().codes()
         if self.fmt == "int4":
             d = self.data
@@ -79,7 +130,7 @@ class PackedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The effective float weight [N, K] every path computes with (the reference)."""
-        if self.fmt == "int4x8":
+        if self.fmt in ("int4x8", *PANEL_FORMATS):
             return self.row_major().dequantize(dtype)
         n, k, g = self.out_features, self.in_features, self.group_size
         w = self.codes().view(n, k // g, g) * self.scales.unsqueeze(-1)
@@ -89,7 +140,7 @@ class PackedWeight:
 
     def rows(self, index: torch.Tensor) -> "PackedWeight":
         """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute)."""
-        if self.fmt == "int4x8":
+        if self.fmt in ("int4x8", *PANEL_FORMATS):
             return self.row_major().rows(index)
         return PackedWeight(self.fmt, self.data[index].contiguous(), self.scales[index].contiguous(),
                             None if self.offsets is None else self.offsets[index].contiguous(),
@@ -115,26 +166,51 @@ def _blocks_of_8(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0] // 8, 8, -1).transpose(1, 2).contiguous()
 
 
+def _panels_of(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [N / 16, G, 16]: one group's scales of a panel's 16 columns are one vector."""
+    return t.view(t.shape[0] // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of _blocks_of_8: [N / 8, G, 8] -> [N, G]."""
+    """The inverse of _blocks_of_8 and _panels_of: [N / b, G, b] -> [N, G]."""
     return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
 
 
-def kernel_layout(pw: PackedWeight) -> PackedWeight:
-    """The layout the chosen CPU kernel takes: with PAGODA_INT4_ACTIVATIONS=int8, INT4 becomes int4x8
-    where the build has that kernel (VNNI + GFNI; K a multiple of 64; rows a multiple of 8)."""
+@functools.cache
+def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For byte t of an int4p block: the column and the k (within the block's 8) of its low and high
+    nibble. unpacklo/hi_epi8 put byte t's nibbles at word 8 (t // 16) + t % 8 of operand (t % 16) // 8
+    (low) or 2 + (t % 16) // 8 (high); operand o, word 2c + j is column c at k = 2o + j."""
+    t = torch.arange(64)
+    half, word = (t % 16) // 8, 8 * (t // 16) + t % 8
+    col, j = word // 2, word % 2
+    return col, 2 * half + j, 4 + 2 * half + j
+
+
+def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype) -> PackedWeight:
+    """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
+    PAGODA_INT4_ACTIVATIONS=int8, INT4 becomes int4x8 where the build has that kernel (VNNI + GFNI; K a
+    multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, int4p where the build has the
+    panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations keep the row-major kernel, which
+    computes in fp32 (the panel kernel's operands are bf16)."""
     mode = os.environ.get(INT4_ACTIVATIONS_ENV, "float")
     if mode not in ("int8", "float"):
         raise ValueError(f"{INT4_ACTIVATIONS_ENV} must be 'float' or 'int8', not {mode!r}")
-    if pw.fmt != "int4" or not cpp_supported(pw) or pw.out_features % 8:
+    if pw.fmt not in ("int4", "int8") or not cpp_supported(pw):
         return pw
-    if mode == "float" or not torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size):
-        return pw
-    return pw.interleave8()
+    if mode == "int8" and pw.fmt == "int4":
+        ok = pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size)
+        return pw.interleave8() if ok else pw
+    if act_dtype == torch.bfloat16 and pw.out_features % PANEL == 0 \
+            and torch.ops.pagoda.int4_panels_supported(pw.in_features, pw.group_size):
+        return pw.panels16() if pw.fmt == "int4" else pw.int8_panels()
+    return pw
 
 
 def cpp_supported(pw: PackedWeight) -> bool:
     k, g = pw.in_features, pw.group_size
+    if pw.fmt in PANEL_FORMATS:
+        return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.int4_panels_supported(k, g)
     return k % 32 == 0 and g % 32 == 0 and k % g == 0 and pw.data.device.type == "cpu" and kernel_available() \
         and hasattr(torch.ops.pagoda, "quant_linear")
 
@@ -153,6 +229,12 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, u
     if x.dim() != 2:
         return quant_linear(x.reshape(-1, x.shape[-1]), pw, bias, use_cpp, max_cpp_m).reshape(*x.shape[:-1], -1)
     m = x.shape[0]
+    if pw.fmt in PANEL_FORMATS:  # the panel kernel runs every row count; it takes bf16 only
+        if use_cpp and m > 0 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return torch.ops.pagoda.int4_panel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets,
+                                                      None if bias is None else bias.float().contiguous(),
+                                                      pw.group_size, pw.fmt == "int8p")
+        return F.linear(x, pw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
     if use_cpp and 0 < m <= (CPP_MAX_M if max_cpp_m is None else max_cpp_m) and x.device.type == "cpu":
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
         return torch.ops.pagoda.quant_linear(x if x.is_contiguous() else x.contiguous(), pw.data, pw.scales,

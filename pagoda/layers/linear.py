@@ -9,6 +9,7 @@ from pagoda.kernels.linear import PANELS_STACK_MAX_M, SMALL_M, linear, panel_pac
 from pagoda.kernels.quant_linear import (
     CPP_MAX_M,
     FORMATS,
+    PANEL_FORMATS,
     PackedWeight,
     cpp_supported,
     kernel_layout,
@@ -38,9 +39,10 @@ class Linear(nn.Linear):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
 
-    def prepare(self) -> None:
+    def prepare(self, act_dtype: torch.dtype) -> None:
+        """`act_dtype`: the model's compute dtype, which picks the quantized kernel (kernel_layout)."""
         if self.qweight is not None:
-            self.qweight = kernel_layout(self.qweight)
+            self.qweight = kernel_layout(self.qweight, act_dtype)
             self.quant_cpp_ok = cpp_supported(self.qweight)
             return
         w = self.weight
@@ -54,8 +56,10 @@ class Linear(nn.Linear):
         None where its few-row path is not a C++ streaming kernel."""
         pw = self.qweight
         if pw is not None:
-            return ([pw.data, pw.scales, pw.offsets, self.bias], FORMATS[pw.fmt], pw.group_size, CPP_MAX_M) \
-                if self.quant_cpp_ok else None
+            if not self.quant_cpp_ok:
+                return None
+            max_rows = PANELS_STACK_MAX_M if pw.fmt in PANEL_FORMATS else CPP_MAX_M  # panels: one kernel at every M
+            return [pw.data, pw.scales, pw.offsets, self.bias], FORMATS[pw.fmt], pw.group_size, max_rows
         if self.panels is not None:
             return [self.panels, None, None, self.bias], -2, 0, PANELS_STACK_MAX_M
         return ([self.weight, None, None, self.bias], -1, 0, SMALL_M) if self.small_m_ok else None

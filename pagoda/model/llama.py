@@ -107,9 +107,10 @@ class LlamaForCausalLM(nn.Module):
     def prepare(self) -> None:
         """Called once the weights are loaded (and tied): lets each layer pick its kernels."""
         use_kernels = kernel_available()
+        act_dtype = self.norm.weight.dtype
         for m in self.modules():
             if isinstance(m, Linear):
-                m.prepare()
+                m.prepare(act_dtype)
             elif hasattr(m, "kernel"):  # norms, rope, attention, MLP: fused C++ ops or torch
                 m.kernel = use_kernels
             # Submodules and parameters also into the instance dict: nn.Module.__getattr__ (a Python

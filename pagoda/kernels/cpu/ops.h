@@ -39,4 +39,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias, int64_t fmt,
                         int64_t group_size);
 
+at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                             int64_t group_size, bool int8_halves);
+
 }  // namespace pagoda_cpu
