@@ -244,3 +244,19 @@ def test_panel_layouts_round_trip():
     back = p8.row_major()
     assert back.fmt == "int8" and torch.equal(back.data, q8.data) and torch.equal(back.scales, q8.scales)
     assert back.offsets is None and torch.equal(p8.dequantize(), q8.dequantize())
+
+
+@_PANELS
+def test_int4_model_sweep_times_panels_against_the_row_major_kernels():
+    """`quant_kernels --model-sweep int4`: both kernels compute the same product, layers and INT8 head."""
+    from pagoda.bench.quant_kernels import _int4_kernels
+
+    ws = [_case("int4", 128, 32, False, 64)[0], _case("int8", 64, 48, False)[0]]
+    kernels = _int4_kernels(ws)
+    assert list(kernels) == ["row-major", "panels"]
+    for m in (1, CPP_MAX_M + 5):
+        for i, pw in enumerate(ws):
+            x = torch.randn(m, pw.in_features).bfloat16()
+            ref = _ref(x.float(), pw, None)
+            for fn in kernels.values():
+                torch.testing.assert_close(fn(x, i).float(), ref, atol=2e-2, rtol=1e-2)
