@@ -244,6 +244,11 @@ def test_panel_layouts_round_trip():
     back = p8.row_major()
     assert back.fmt == "int8" and torch.equal(back.data, q8.data) and torch.equal(back.scales, q8.scales)
     assert back.offsets is None and torch.equal(p8.dequantize(), q8.dequantize())
+    # rows() gathers from the panels directly (a GGUF embedding shares its tied head's int8p table).
+    idx = torch.tensor([47, 0, 16, 5, 5])
+    for panels, rm in ((p8, q8), (p, pw)):
+        got, want = panels.rows(idx), rm.rows(idx)
+        assert got.fmt == rm.fmt and torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
 
 
 @_PANELS

@@ -75,31 +75,30 @@ class PackedWeight:
                             None if self.offsets is None else _panels_of(self.offsets), self.group_size, k)
 
     def int8_panels(self) -> "PackedWeight":
-        """INT8 as int8p: the panel kernel's INT4 layout of a [N, 2K] weight [h | l], where u = q + 128 = 16 h + l
-        (so 8-bit codes are exact bf16 dot-product operands too). The kernel multiplies the h half by 16 x;
-        the l half's offsets, -128 s (plus any offset of q), take the 128 back off. Scales [N / 16, 2G, 16]."""
+        """INT8 as int8p: the panel kernel's codes of a [N, 2K] INT4 weight [h | l], u = q + 128 = 16 h + l, so
+        that 8-bit codes are exact bf16 dot-product operands too (the kernel multiplies the h half by 16 x and
+        takes the 128 of u off the l half); scales and offsets are the INT8 weight's, as [N / 16, G, 16]."""
         if self.fmt != "int8" or self.out_features % PANEL or self.group_size % 8:
             raise ValueError(f"int8p needs int8 with rows % {PANEL} == 0 and groups of a multiple of 8, not "
                              f"{self.fmt} [{self.out_features}, {self.in_features}] g{self.group_size}")
+        n, k = self.out_features, self.in_features
         u = (self.data.to(torch.int16) + 128).to(torch.uint8)
         halves = torch.cat([u >> 4, u & 0xF], dim=1)
-        offsets = -128 * self.scales if self.offsets is None else self.offsets - 128 * self.scales
-        pw = PackedWeight("int4", (halves[:, 0::2] | (halves[:, 1::2] << 4)).contiguous(),
-                          torch.cat([self.scales, self.scales], 1), torch.cat([torch.zeros_like(offsets), offsets], 1),
-                          self.group_size, 2 * self.in_features).panels16()
-        return PackedWeight("int8p", pw.data, pw.scales, pw.offsets, self.group_size, self.in_features)
+        ones = torch.ones(n, 2 * k // self.group_size)  # only the codes' layout is used
+        codes = PackedWeight("int4", (halves[:, 0::2] | (halves[:, 1::2] << 4)).contiguous(), ones, None,
+                             self.group_size, 2 * k).panels16().data
+        return PackedWeight("int8p", codes, _panels_of(self.scales),
+                            None if self.offsets is None else _panels_of(self.offsets), self.group_size, k)
 
     def row_major(self) -> "PackedWeight":
         """The inverse of interleave8, panels16 and int8_panels (any other format is returned as it is)."""
         if self.fmt == "int8p":
-            k, g = self.in_features, self.in_features // self.group_size
-            halves = PackedWeight("int4p", self.data, self.scales, self.offsets, self.group_size, 2 * k).row_major()
-            u = halves.codes().to(torch.int16)
+            k = self.in_features
+            u = PackedWeight("int4p", self.data, torch.cat([self.scales] * 2, 1), None, self.group_size,
+                             2 * k).row_major().codes().to(torch.int16)
             q = (16 * u[:, :k] + u[:, k:] - 128).to(torch.int8)
-            scales = halves.scales[:, :g].contiguous()
-            offsets = halves.offsets[:, g:] + 128 * scales
-            return PackedWeight("int8", q.contiguous(), scales, offsets.contiguous() if offsets.any() else None,
-                                self.group_size, k)
+            return PackedWeight("int8", q.contiguous(), _rows_of(self.scales),
+                                None if self.offsets is None else _rows_of(self.offsets), self.group_size, k)
         if self.fmt == "int4p":
             n, k = self.out_features, self.in_features
             c, k_lo, k_hi = _panel_byte_map()
@@ -139,12 +138,32 @@ class PackedWeight:
         return w.view(n, k).to(dtype)
 
     def rows(self, index: torch.Tensor) -> "PackedWeight":
-        """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute)."""
-        if self.fmt in ("int4x8", *PANEL_FORMATS):
+        """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute; the rows
+        a QuantEmbedding gathers), row-major."""
+        if self.fmt in PANEL_FORMATS:
+            return self._panel_rows(index)
+        if self.fmt == "int4x8":
             return self.row_major().rows(index)
         return PackedWeight(self.fmt, self.data[index].contiguous(), self.scales[index].contiguous(),
                             None if self.offsets is None else self.offsets[index].contiguous(),
                             self.group_size, self.in_features)
+
+    def _panel_rows(self, index: torch.Tensor) -> "PackedWeight":
+        """rows() of int4p / int8p without re-laying the whole weight (a tied LM head's table serves the
+        embedding's lookups): one gather of each selected column's 8 nibbles per block."""
+        p, c = index // PANEL, index % PANEL
+        blocks = self.data[p]                                                   # [R, K'/8, 64]
+        nibbles = torch.cat([blocks & 0xF, blocks >> 4], dim=-1)                # [R, K'/8, 128]
+        where = _panel_column_nibbles()[c].unsqueeze(1).expand(-1, blocks.shape[1], -1)
+        q = nibbles.gather(2, where).reshape(len(index), -1)                   # codes [R, K'] in k order
+        scales = self.scales[p, :, c].contiguous()
+        offsets = None if self.offsets is None else self.offsets[p, :, c].contiguous()
+        k = self.in_features
+        if self.fmt == "int8p":
+            q = (16 * q[:, :k].to(torch.int16) + q[:, k:] - 128).to(torch.int8)
+            return PackedWeight("int8", q, scales, offsets, self.group_size, k)
+        return PackedWeight("int4", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scales, offsets,
+                            self.group_size, k)
 
     @staticmethod
     def cat(parts: list["PackedWeight"]) -> "PackedWeight":
@@ -174,6 +193,18 @@ def _panels_of(t: torch.Tensor) -> torch.Tensor:
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
     """The inverse of _blocks_of_8 and _panels_of: [N / b, G, b] -> [N, G]."""
     return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
+
+
+@functools.cache
+def _panel_column_nibbles() -> torch.Tensor:
+    """[16, 8]: for column c of a panel and k of a block, where its nibble is among a block's 128 (low
+    nibbles of the 64 bytes, then high)."""
+    col, k_lo, k_hi = _panel_byte_map()
+    pos = torch.empty(PANEL, 8, dtype=torch.long)
+    t = torch.arange(64)
+    pos[col, k_lo] = t
+    pos[col, k_hi] = 64 + t
+    return pos
 
 
 @functools.cache

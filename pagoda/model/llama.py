@@ -16,6 +16,7 @@ from pagoda.kernels.fused_ops import silu_and_mul
 from pagoda.layers.attention import AttentionMetadata, PagedAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.quant_embedding import QuantEmbedding
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.args import ModelArgs
 
@@ -108,6 +109,9 @@ class LlamaForCausalLM(nn.Module):
         """Called once the weights are loaded (and tied): lets each layer pick its kernels."""
         use_kernels = kernel_available()
         act_dtype = self.norm.weight.dtype
+        # A GGUF table shared by the embedding and the tied lm_head stays one table in the head's kernel
+        # layout (PackedWeight.rows gathers the embedding's rows from it).
+        shared = isinstance(self.embed_tokens, QuantEmbedding) and self.lm_head.qweight is self.embed_tokens.pw
         for m in self.modules():
             if isinstance(m, Linear):
                 m.prepare(act_dtype)
@@ -118,6 +122,8 @@ class LlamaForCausalLM(nn.Module):
             # and nn.Module.__setattr__ drops these entries if a name is ever reassigned.
             m.__dict__.update(m._modules)
             m.__dict__.update(m._parameters)
+        if shared:
+            self.embed_tokens.pw = self.lm_head.qweight
         self.stack = self._decoder_stack() if use_kernels else None
 
     def _decoder_stack(self) -> DecoderStack | None:

@@ -42,8 +42,8 @@ namespace {
 constexpr int64_t kPanel = 16, kBlockK = 8, kBlockBytes = 64;
 constexpr int kStrip = 8;  // x rows per tile
 // Up to this many rows the codes go straight into dot products; above, each tile is dequantized once and
-// runs the dense GEMM tile. Over SmolLM2's layers (cold) the direct path is 1.5x faster at 8 rows, 1.1x at 32,
-// even at 128, and 0.85x at 512.
+// runs the dense GEMM tile. Over SmolLM2's layers (cold) the direct path takes 0.65x the dequantizing one's
+// time at 8 rows, 0.9x at 32, the same at 128 and 1.2x at 512.
 constexpr int64_t kDirectMaxM = 128;
 // INT8 halves do twice the dot products per weight: 1.6x faster than the row-major kernel at 16 rows, 0.9x
 // at 64 (the LM head at 49152 x 576).
@@ -54,10 +54,12 @@ constexpr int64_t kDirectMaxMInt8 = 32;
 // Rows [0, R) of x against NP panels starting at w (panels pstride bytes apart). C: independent dot-product
 // chains per (row, panel), so that few-row tiles are not bound by vdpbf16ps latency. The per-group
 // partial sums stay in registers; the running sums go to `acc` (L1) once per group, which leaves the
-// registers to R * NP * C chains (24 at 8 rows x 3 panels).
+// registers to R * NP * C chains (16 at 8 rows x 2 panels).
+// G: groups of the codes; Gs: of the scales and offsets ([NP][Gs][16]), G / 2 for INT8 halves, whose code
+// group g has scale group g % Gs (see int4_panel_linear).
 template <int R, int NP, int C>
 void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t pstride,
-          const float* __restrict scales, const float* __restrict offsets, int64_t G, int64_t gs,
+          const float* __restrict scales, const float* __restrict offsets, int64_t G, int64_t Gs, int64_t gs,
           const float* __restrict xs, const float* __restrict bias, c10::BFloat16* __restrict y, int64_t ldy,
           const uint8_t* next) {
   const __m512i nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
@@ -93,7 +95,7 @@ void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, 
       }
     }
     for (int v = 0; v < NP; ++v) {
-      const __m512 s = _mm512_loadu_ps(scales + (v * G + g) * kPanel);
+      const __m512 s = _mm512_loadu_ps(scales + (v * Gs + g % Gs) * kPanel);
       for (int r = 0; r < R; ++r) {
         __m512 sum = gacc[r][v][0];
         for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, gacc[r][v][c]);
@@ -106,8 +108,11 @@ void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, 
     __m512 a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm512_load_ps(acc[r][v]);
     for (int64_t g = 0; g < G; ++g) {
-      __m512 z = _mm512_mul_ps(_mm512_loadu_ps(scales + (v * G + g) * kPanel), m128);
-      if (offsets) z = _mm512_add_ps(z, _mm512_loadu_ps(offsets + (v * G + g) * kPanel));
+      // The 128 each code carries; INT8 halves: the l half also the 128 of u = q + 128, and q's offsets.
+      const bool l_half = G != Gs && g >= Gs, with_offset = offsets && (G == Gs || l_half);
+      const __m512 sv = _mm512_loadu_ps(scales + (v * Gs + g % Gs) * kPanel);
+      __m512 z = _mm512_mul_ps(sv, l_half ? _mm512_add_ps(m128, m128) : m128);
+      if (with_offset) z = _mm512_add_ps(z, _mm512_loadu_ps(offsets + (v * Gs + g % Gs) * kPanel));
       for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), a[r]);
     }
     const __m512 bv = bias ? _mm512_loadu_ps(bias + v * kPanel) : _mm512_setzero_ps();
@@ -119,8 +124,9 @@ void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, 
 
 // Panels [0, NP) of the codes as bf16 weights in packed_linear's layout [NP][K/2][16][2], w = q s + o
 // rounded once to bf16 (as the dequantize-then-GEMM path rounds): operand o of block b is that layout's
-// pair row 4b + o, so each converts in place of order. I8: INT8 halves (see int4_panel_linear), K and G
-// those of the [h | l] codes; the output is the K/2 columns of the INT8 weight, w = 16 w_h + w_l.
+// pair row 4b + o, so each converts in place of order. I8: INT8 halves (see int4_panel_linear), K the
+// columns of the [h | l] codes; the output is the K/2 columns of the INT8 weight, w = (16 h + l - 128) s + o.
+// scales, offsets: [NP][G][16], G the groups of the output's K.
 template <int NP, bool I8>
 void dequant_panels(const uint8_t* w, int64_t pstride, const float* scales, const float* offsets, int64_t G,
                     int64_t gs, c10::BFloat16* out, int64_t K) {
@@ -128,7 +134,7 @@ void dequant_panels(const uint8_t* w, int64_t pstride, const float* scales, cons
   // Lane i of the fp32 halves of an operand is column i / 2 (first 16 words) or 8 + i / 2 (last 16).
   const __m512i cols_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i cols_hi = _mm512_add_epi32(cols_lo, _mm512_set1_epi32(8));
-  const int64_t blocks_per_group = gs / kBlockK, Kout = I8 ? K / 2 : K, Gout = I8 ? G / 2 : G;
+  const int64_t blocks_per_group = gs / kBlockK, Kout = I8 ? K / 2 : K;
   auto operands = [&](const uint8_t* p, __m512i (&op)[4]) {
     const __m512i raw = _mm512_loadu_si512(p);
     const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
@@ -141,27 +147,21 @@ void dequant_panels(const uint8_t* w, int64_t pstride, const float* scales, cons
     const __m256i w16 = half ? _mm512_extracti64x4_epi64(words, 1) : _mm512_castsi512_si256(words);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
   };
+  auto spread = [&](__m512 t, __m512 (&out2)[2]) {  // per column -> per lane of each fp32 half
+    out2[0] = _mm512_permutexvar_ps(cols_lo, t);
+    out2[1] = _mm512_permutexvar_ps(cols_hi, t);
+  };
   for (int v = 0; v < NP; ++v) {
     auto* o = reinterpret_cast<__m512i*>(out + v * Kout * kPanel);
-    for (int64_t g = 0; g < Gout; ++g) {
-      // (128 + q) s + (o - 128 s): the code words carry 128. Per group: s and z of the codes (of the h half,
-      // scaled by 16, for I8) and, for I8, the l half's s; each spread to the lanes of both fp32 halves.
-      auto group = [&](int64_t gg, float mult, __m512 (&sv)[2], __m512 (&zv)[2]) {
-        const __m512 sc = _mm512_loadu_ps(scales + (v * G + gg) * kPanel);
-        const __m512 off = offsets ? _mm512_loadu_ps(offsets + (v * G + gg) * kPanel) : _mm512_setzero_ps();
-        const __m512 m = _mm512_set1_ps(mult);
-        const __m512 s = _mm512_mul_ps(sc, m), z = _mm512_mul_ps(_mm512_fmadd_ps(sc, _mm512_set1_ps(-128.f), off), m);
-        sv[0] = _mm512_permutexvar_ps(cols_lo, s);
-        sv[1] = _mm512_permutexvar_ps(cols_hi, s);
-        zv[0] = _mm512_permutexvar_ps(cols_lo, z);
-        zv[1] = _mm512_permutexvar_ps(cols_hi, z);
-      };
-      __m512 s[2], z[2], sl[2], zl[2];
-      group(g, I8 ? 16.f : 1.f, s, z);
-      if constexpr (I8) {
-        group(g + Gout, 1.f, sl, zl);
-        for (int h = 0; h < 2; ++h) z[h] = _mm512_add_ps(z[h], zl[h]);
-      }
+    for (int64_t g = 0; g < G; ++g) {
+      // The code words are 128 + c: w = (128 + c) s + (o - 128 s). I8: w = 16 (128 + h) s + (128 + l) s +
+      // (o - 2304 s), as 128 * 16 + 128 + 128 (u = q + 128) = 2304.
+      const __m512 sc = _mm512_loadu_ps(scales + (v * G + g) * kPanel);
+      const __m512 off = offsets ? _mm512_loadu_ps(offsets + (v * G + g) * kPanel) : _mm512_setzero_ps();
+      __m512 s[2], sh[2], z[2];
+      spread(sc, s);
+      spread(_mm512_mul_ps(sc, _mm512_set1_ps(16.f)), sh);
+      spread(_mm512_fmadd_ps(sc, _mm512_set1_ps(I8 ? -2304.f : -128.f), off), z);
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
         __m512i op[4], opl[4];
         operands(w + v * pstride + b * kBlockBytes, op);
@@ -169,8 +169,8 @@ void dequant_panels(const uint8_t* w, int64_t pstride, const float* scales, cons
         for (int q = 0; q < 4; ++q) {
           __m512 f[2];
           for (int h = 0; h < 2; ++h) {
-            f[h] = _mm512_fmadd_ps(as_f32(op[q], h), s[h], z[h]);
-            if constexpr (I8) f[h] = _mm512_fmadd_ps(as_f32(opl[q], h), sl[h], f[h]);
+            if constexpr (I8) f[h] = _mm512_fmadd_ps(as_f32(opl[q], h), s[h], _mm512_fmadd_ps(as_f32(op[q], h), sh[h], z[h]));
+            else f[h] = _mm512_fmadd_ps(as_f32(op[q], h), s[h], z[h]);
           }
           _mm512_storeu_si512(o + 4 * b + q, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
         }
@@ -193,12 +193,12 @@ __attribute__((noinline)) void dense_strips(const c10::BFloat16* x, int64_t M, i
 
 template <int NP>
 void strips(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t pstride, const float* scales,
-            const float* offsets, int64_t G, int64_t gs, const float* xs, const float* bias, c10::BFloat16* y,
-            int64_t N, const uint8_t* next) {
+            const float* offsets, int64_t G, int64_t Gs, int64_t gs, const float* xs, const float* bias,
+            c10::BFloat16* y, int64_t N, const uint8_t* next) {
   for (int64_t m0 = 0; m0 < M; m0 += kStrip)
     dispatch_m(std::min<int64_t>(kStrip, M - m0), [&](auto rc) {
       constexpr int R = decltype(rc)::value, C = R <= 2 ? 2 : 1;
-      tile<R, NP, C>(x + m0 * K, K, w, pstride, scales, offsets, G, gs, xs + m0 * G, bias, y + m0 * N, N,
+      tile<R, NP, C>(x + m0 * K, K, w, pstride, scales, offsets, G, Gs, gs, xs + m0 * G, bias, y + m0 * N, N,
                      m0 == 0 ? next : nullptr);
     });
 }
@@ -215,8 +215,9 @@ bool int4_panels_supported(int64_t K, int64_t group_size) {
 }
 
 // int8_halves: the weight is INT8 as two INT4 halves (PackedWeight.int8_panels): codes u = q + 128 = 16 h + l
-// become a [N, 2K] INT4 weight [h | l], whose first half multiplies 16 x (exact in bf16) and whose second
-// half's offsets carry the -128, so the product is x q s with the same exact products and fp32 sums.
+// become the codes of a [N, 2K] INT4 weight [h | l], whose first half multiplies 16 x (exact in bf16) and
+// whose second half takes off the 128 of u (and carries q's offsets), so the product is x (q s + o) with
+// the same exact products and fp32 sums. Both halves share the INT8 weight's scales [N/16, K/gs, 16].
 at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                              int64_t group_size, bool int8_halves) {
@@ -231,12 +232,13 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
   const at::Tensor xo = x_in.contiguous();
   // The direct path's x: for INT8 halves [16 x | x], one column per column of the codes.
   const at::Tensor x = int8_halves && !dequantized ? at::cat(std::vector<at::Tensor>{at::mul(xo, 16), xo}, 1) : xo;
-  TORCH_CHECK(int4_panels_supported(K, group_size), "int4_panel_linear: unsupported K ", K, " / group size ",
+  TORCH_CHECK(int4_panels_supported(Kx, group_size), "int4_panel_linear: unsupported K ", Kx, " / group size ",
               group_size, " (or no AVX512-BF16 in this build)");
-  const int64_t G = K / group_size;
+  const int64_t G = K / group_size, Gs = Kx / group_size;  // groups of the codes, of the scales
   auto check_groups = [&](const at::Tensor& t, const char* what) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == P &&
-                    t.size(1) == G && t.size(2) == kPanel, "int4_panel_linear: ", what, " must be fp32 [N/16, G, 16]");
+                    t.size(1) == Gs && t.size(2) == kPanel,
+                "int4_panel_linear: ", what, " must be fp32 [N/16, K/group_size, 16]");
   };
   check_groups(scales, "scales");
   if (offsets.has_value()) check_groups(*offsets, "offsets");
@@ -266,10 +268,12 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
         const int64_t p = t * NP, n = std::min<int64_t>(NP, P - p);
         auto run = [&](auto npc) {
           constexpr int NPc = decltype(npc)::value;
-          const float* pop = op ? op + p * G * kPanel : nullptr;
-          if (int8_halves) dequant_panels<NPc, true>(wp + p * pstride, pstride, sp + p * G * kPanel, pop, G, group_size, buf, K);
-          else dequant_panels<NPc, false>(wp + p * pstride, pstride, sp + p * G * kPanel, pop, G, group_size, buf, K);
-          dense_strips<NPc>(xo.const_data_ptr<c10::BFloat16>(), M, Kx, buf, bp ? bp + p * kPanel : nullptr, yp + p * kPanel, N);
+          const uint8_t* wt = wp + p * pstride;
+          const float *st = sp + p * Gs * kPanel, *ot = op ? op + p * Gs * kPanel : nullptr;
+          if (int8_halves) dequant_panels<NPc, true>(wt, pstride, st, ot, Gs, group_size, buf, K);
+          else dequant_panels<NPc, false>(wt, pstride, st, ot, Gs, group_size, buf, K);
+          dense_strips<NPc>(xo.const_data_ptr<c10::BFloat16>(), M, Kx, buf, bp ? bp + p * kPanel : nullptr,
+                            yp + p * kPanel, N);
         };
         if (n == 3) run(std::integral_constant<int, 3>{});
         else if (n == 2) run(std::integral_constant<int, 2>{});
@@ -302,8 +306,8 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
       const uint8_t* next = p + n + np <= p1 ? wp + (p + n) * pstride : nullptr;
       auto run = [&](auto npc) {
         constexpr int NP = decltype(npc)::value;
-        strips<NP>(xp, M, K, wp + p * pstride, pstride, sp + p * G * kPanel, op ? op + p * G * kPanel : nullptr, G,
-                   group_size, xs.data(), bp ? bp + p * kPanel : nullptr, yp + p * kPanel, N, next);
+        strips<NP>(xp, M, K, wp + p * pstride, pstride, sp + p * Gs * kPanel, op ? op + p * Gs * kPanel : nullptr,
+                   G, Gs, group_size, xs.data(), bp ? bp + p * kPanel : nullptr, yp + p * kPanel, N, next);
       };
       switch (n) {
         case 4: run(std::integral_constant<int, 4>{}); break;
