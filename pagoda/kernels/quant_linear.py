@@ -2,7 +2,9 @@
 
 Every format is stored as `PackedWeight`: codes plus a per-(row, group) fp32 scale and optional
 fp32 offset, w = code * scale + offset (INT4's zero point z becomes offset = -scale * z; GGUF Q4_1's
-min m is the offset directly). The CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
+min m is the offset directly). With bf16 activations INT4 and INT8 weights are prepared in panels of 16
+output columns (`kernel_layout`: int4p, int8p) for one C++ kernel at every row count
+(cpu/int4_panel_linear.cpp). Otherwise the CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
 which reads each packed weight once per 8 activation rows and accumulates in fp32, for up to
 CPP_MAX_M rows (decode); more rows dequantize the weight in C++ and run oneDNN's GEMM (prefill). On
 request (PAGODA_INT4_ACTIVATIONS=int8), INT4 layers are prepared as int4x8 (`kernel_layout`): an 8-row
@@ -221,9 +223,9 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype) -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
     PAGODA_INT4_ACTIVATIONS=int8, INT4 becomes int4x8 where the build has that kernel (VNNI + GFNI; K a
-    multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, int4p where the build has the
-    panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations keep the row-major kernel, which
-    computes in fp32 (the panel kernel's operands are bf16)."""
+    multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, INT4 becomes int4p and INT8
+    int8p where the build has the panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations keep
+    the row-major kernels, which compute in fp32 (the panel kernel's operands are bf16)."""
     mode = os.environ.get(INT4_ACTIVATIONS_ENV, "float")
     if mode not in ("int8", "float"):
         raise ValueError(f"{INT4_ACTIVATIONS_ENV} must be 'float' or 'int8', not {mode!r}")
