@@ -8,7 +8,7 @@ from tiny_models import build_tiny_model
 from pagoda import LLM, SamplingParams
 from pagoda.kernels.cpu_extension import has_avx512, kernel_available
 from pagoda.kernels.linear import PANELS_STACK_MAX_M
-from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
+from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV, PANEL_FORMATS
 
 pytestmark = pytest.mark.skipif(not (kernel_available() and has_avx512()),
                                 reason="the stack needs the C++ streaming kernels (AVX-512)")
@@ -36,6 +36,7 @@ def _run(llm: LLM, params: SamplingParams) -> tuple[list, set[str]]:
     ("tiny_llama", "bfloat16", "int4", "auto"),
     ("tiny_llama", "bfloat16", "int4+int8-activations", "auto"),
     ("tiny_llama", "float32", "int8", "fp8_e4m3"),
+    ("tiny_llama", "bfloat16", "fp8", "auto"),
 ])
 def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype, default_gguf, request, monkeypatch):
     int8_activations = quantization == "int4+int8-activations"
@@ -51,10 +52,10 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
     stack = net.stack
     down = net.layers[0].mlp.down_proj
     if quantization == "int4" and dtype == "bfloat16" and not int8_activations \
-            and torch.ops.pagoda.int4_panels_supported(64, 64):
+            and torch.ops.pagoda.quant_panels_supported(64, 64):
         assert down.qweight.fmt == "int4p"
     # Panel-packed weights, dense or INT4: one kernel at every row count, so every step, prefill too.
-    panels = down.panels is not None or (down.qweight is not None and down.qweight.fmt == "int4p")
+    panels = down.panels is not None or (down.qweight is not None and down.qweight.fmt in PANEL_FORMATS)
     assert stack is not None and stack.max_rows == (PANELS_STACK_MAX_M if panels else 16 if quantization else 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, ops = _run(llm, params)

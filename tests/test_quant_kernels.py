@@ -174,12 +174,14 @@ def test_int4_activation_mode_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.delenv(INT4_ACTIVATIONS_ENV, raising=False)
     # Default: float activations; fp32 keeps the row layout, bf16 takes the panels where the build has them.
     assert kernel_layout(pw, f32) is pw
-    panels = cpp_supported(pw) and torch.ops.pagoda.int4_panels_supported(576, 64)
+    panels = cpp_supported(pw) and torch.ops.pagoda.quant_panels_supported(576, 64)
     assert kernel_layout(pw, bf16).fmt == ("int4p" if panels else "int4")
     odd_rows, _ = _case("int4", 576, 41, False, 64)
     assert kernel_layout(odd_rows, bf16) is odd_rows  # panels of 16 columns
     q8, _ = _case("int8", 576, 48, False)  # INT8 (the INT4 methods' LM head) takes the panels as two halves
     assert kernel_layout(q8, f32) is q8 and kernel_layout(q8, bf16).fmt == ("int8p" if panels else "int8")
+    f8, _ = _case("fp8", 576, 48, False)
+    assert kernel_layout(f8, f32) is f8 and kernel_layout(f8, bf16).fmt == ("fp8p" if panels else "fp8")
     monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int8")
     vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
     for dtype in (f32, bf16):
@@ -192,25 +194,30 @@ def test_int4_activation_mode_is_chosen_by_the_environment(monkeypatch):
         kernel_layout(pw, bf16)
 
 
-_PANELS = pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4_panels_supported(64, 64)),
+_PANELS = pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.quant_panels_supported(64, 64)),
                              reason="INT4 panels need the C++ kernels with AVX512-BF16")
 
 
 @_PANELS
 @pytest.mark.parametrize("k,n,group", [(576, 960, 64), (1536, 48, 64), (128, 16, 32), (640, 112, 128), (96, 32, 32)])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 13, 33, 129, 200])
-@pytest.mark.parametrize("method,offsets", [("int4", True), ("int4", False), ("int8", False), ("int8", True)])
+@pytest.mark.parametrize("method,offsets", [("int4", True), ("int4", False), ("int8", False), ("int8", True),
+                                            ("fp8", False)])
 def test_panel_kernel_matches_the_dequantized_reference(k, n, group, m, method, offsets):
-    """INT4 panels and INT8 as two INT4 halves, at every row count (one row, strips of 8 and a partial
-    strip, the dequantize-per-tile path above 128 rows, 32 for INT8), panel counts that leave partial
-    tiles, groups of 32-128, with and without offsets."""
+    """INT4 panels, INT8 as two INT4 halves and FP8 as bf16 bit patterns, at every row count (one row,
+    strips of 8 and a partial strip, the dequantize-per-tile path above 128 rows, 32 for INT8), panel counts
+    that leave partial tiles, groups of 32-128 (FP8: per channel), with and without offsets."""
     pw, b = _case(method, k, n, bias=m % 2 == 1, group=group, seed=m)
     if method == "int8":  # grouped, as GGUF's Q8_0 is, and optionally with offsets
         g = torch.rand(n, k // group) / 64 + 1e-3
         pw = PackedWeight("int8", pw.data, g, torch.randn(n, k // group) / 64 if offsets else None, group, k)
+    elif method == "fp8":  # every e4m3 code, subnormals and both zeros included
+        codes = torch.arange(n * k).remainder(256).view(n, k).to(torch.uint8)
+        finite = codes.view(torch.float8_e4m3fn).float().isfinite()
+        pw = PackedWeight("fp8", torch.where(finite, codes, 0).contiguous(), pw.scales, None, k, k)
     elif not offsets:
         pw = PackedWeight("int4", pw.data, pw.scales, None, group, k)
-    p = pw.panels16() if method == "int4" else pw.int8_panels()
+    p = {"int4": pw.panels16, "int8": pw.int8_panels, "fp8": pw.fp8_panels}[method]()
     assert p.fmt == method + "p" and p.out_features == n and cpp_supported(p)
     x = torch.randn(m, k).bfloat16()
     out = quant_linear(x, p, b)
@@ -244,9 +251,13 @@ def test_panel_layouts_round_trip():
     back = p8.row_major()
     assert back.fmt == "int8" and torch.equal(back.data, q8.data) and torch.equal(back.scales, q8.scales)
     assert back.offsets is None and torch.equal(p8.dequantize(), q8.dequantize())
+    f8, _ = _case("fp8", 64, 48, False)
+    pf = f8.fp8_panels()
+    assert pf.data.shape == (3, 8, 128) and torch.equal(pf.row_major().data, f8.data)
+    assert torch.equal(pf.dequantize(), f8.dequantize())
     # rows() gathers from the panels directly (a GGUF embedding shares its tied head's int8p table).
     idx = torch.tensor([47, 0, 16, 5, 5])
-    for panels, rm in ((p8, q8), (p, pw)):
+    for panels, rm in ((p8, q8), (p, pw), (pf, f8)):
         got, want = panels.rows(idx), rm.rows(idx)
         assert got.fmt == rm.fmt and torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
 

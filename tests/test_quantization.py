@@ -138,7 +138,7 @@ def test_gguf_native_model_matches_float_path(float_tokens):
     assert _greedy(llm) == float_tokens
 
 
-@pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4_panels_supported(64, 64)),
+@pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.quant_panels_supported(64, 64)),
                     reason="the INT4/INT8 panel kernel needs AVX512-BF16")
 def test_gguf_native_bf16_runs_the_panel_kernel_and_matches_bf16_float():
     llm = LLM(quantization="gguf", dtype="bfloat16", kv_cache_memory="64MiB")

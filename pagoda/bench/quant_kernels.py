@@ -58,7 +58,7 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         panels = panel_pack(ww)
         if panels is not None:
             out[name] = lambda xx=xx, ww=ww, panels=panels: linear(xx, ww, None, small_m_ok=False, panels=panels)
-    if n % 16 == 0 and torch.ops.pagoda.int4_panels_supported(k, p4.group_size):  # bf16 INT4/INT8 layers
+    if n % 16 == 0 and torch.ops.pagoda.quant_panels_supported(k, p4.group_size):  # bf16 INT4/INT8 layers
         p4p, p8p = p4.panels16(), p8.int8_panels()
         out["int4 panels"] = lambda: quant_linear(xb, p4p, None, use_cpp=True)
         out["int8 panels"] = lambda: quant_linear(xb, p8p, None, use_cpp=True)

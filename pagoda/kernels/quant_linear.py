@@ -2,9 +2,9 @@
 
 Every format is stored as `PackedWeight`: codes plus a per-(row, group) fp32 scale and optional
 fp32 offset, w = code * scale + offset (INT4's zero point z becomes offset = -scale * z; GGUF Q4_1's
-min m is the offset directly). With bf16 activations INT4 and INT8 weights are prepared in panels of 16
-output columns (`kernel_layout`: int4p, int8p) for one C++ kernel at every row count
-(cpu/int4_panel_linear.cpp). Otherwise the CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
+min m is the offset directly). With bf16 activations INT4, INT8 and FP8 weights are prepared in panels of 16
+output columns (`kernel_layout`: int4p, int8p, fp8p) for one C++ kernel at every row count
+(cpu/quant_panel_linear.cpp). Otherwise the CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
 which reads each packed weight once per 8 activation rows and accumulates in fp32, for up to
 CPP_MAX_M rows (decode); more rows dequantize the weight in C++ and run oneDNN's GEMM (prefill). On
 request (PAGODA_INT4_ACTIVATIONS=int8), INT4 layers are prepared as int4x8 (`kernel_layout`): an 8-row
@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.linear import PANEL
 
-FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "int4x8": 3, "int4p": 4, "int8p": 5}
-PANEL_FORMATS = ("int4p", "int8p")  # the panel kernel's (cpu/int4_panel_linear.cpp), at every row count
+FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "int4x8": 3, "int4p": 4, "int8p": 5, "fp8p": 6}
+# The panel kernel's (cpu/quant_panel_linear.cpp, at every row count), in the order of its `kind`.
+PANEL_FORMATS = ("int4p", "int8p", "fp8p")
 
 # "float" (default: INT4 stays weight-only) or "int8" (int4x8, see kernel_layout; its perplexity cost is in
 # docs/benchmarks.md). Read when a model is prepared.
@@ -35,7 +36,7 @@ INT4_ACTIVATIONS_ENV = "PAGODA_INT4_ACTIVATIONS"
 
 @dataclass
 class PackedWeight:
-    fmt: str                     # "int4" | "int8" | "fp8" | "int4x8" (interleave8) | "int4p" / "int8p" (panels16)
+    fmt: str                     # "int4" | "int8" | "fp8" | "int4x8" (interleave8) | "int4p" | "int8p" | "fp8p"
     data: torch.Tensor           # int4: uint8 [N, K // 2] (low nibble = even k); int8: int8 [N, K]; fp8: uint8 [N, K]
     scales: torch.Tensor         # fp32 [N, K // group_size] (int4x8: [N // 8, G, 8]; int4p: [N // 16, G, 16])
     offsets: torch.Tensor | None  # like scales, or None (symmetric)
@@ -44,7 +45,7 @@ class PackedWeight:
 
     @property
     def out_features(self) -> int:
-        return self.data.shape[0] * {"int4x8": 8, "int4p": PANEL, "int8p": PANEL}.get(self.fmt, 1)
+        return self.data.shape[0] * (8 if self.fmt == "int4x8" else PANEL if self.fmt in PANEL_FORMATS else 1)
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +64,7 @@ class PackedWeight:
                             None if self.offsets is None else _blocks_of_8(self.offsets), self.group_size, k)
 
     def panels16(self) -> "PackedWeight":
-        """INT4 as int4p, the layout of the bf16 panel kernel (cpu/int4_panel_linear.cpp): codes uint8
+        """INT4 as int4p, the layout of the bf16 panel kernel (cpu/quant_panel_linear.cpp): codes uint8
         [N / 16, K / 8, 64], one 64-byte block per 8 k x 16 columns, nibbles placed so that unpacking each
         half against a 0x43 byte yields vdpbf16ps operands; scales and offsets as [N / 16, G, 16]."""
         if self.fmt != "int4" or self.out_features % PANEL or self.group_size % 8:
@@ -92,8 +93,24 @@ class PackedWeight:
         return PackedWeight("int8p", codes, _panels_of(self.scales),
                             None if self.offsets is None else _panels_of(self.offsets), self.group_size, k)
 
+    def fp8_panels(self) -> "PackedWeight":
+        """FP8 as fp8p: e4m3 bytes [N / 16, K / 8, 128], per panel and 8 k four 32-byte vdpbf16ps operands, byte
+        2c + j of operand o being column c at k = 2o + j (the kernel turns each into a bf16 bit pattern);
+        per-column scales as [N / 16, 1, 16]."""
+        if self.fmt != "fp8" or self.out_features % PANEL or self.in_features % 8 or self.offsets is not None:
+            raise ValueError(f"fp8p needs per-channel fp8 with rows % {PANEL} == 0 and K % 8 == 0, not "
+                             f"{self.fmt} [{self.out_features}, {self.in_features}]")
+        n, k = self.out_features, self.in_features
+        data = self.data.view(n // PANEL, PANEL, k // 8, 4, 2).permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // 8, 128)
+        return PackedWeight("fp8p", data.contiguous(), _panels_of(self.scales), None, self.group_size, k)
+
     def row_major(self) -> "PackedWeight":
-        """The inverse of interleave8, panels16 and int8_panels (any other format is returned as it is)."""
+        """The inverse of interleave8, panels16, int8_panels and fp8_panels (other formats are returned as
+        they are)."""
+        if self.fmt == "fp8p":
+            n, k = self.out_features, self.in_features
+            data = self.data.view(n // PANEL, k // 8, 4, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
+            return PackedWeight("fp8", data.contiguous(), _rows_of(self.scales), None, self.group_size, k)
         if self.fmt == "int8p":
             k = self.in_features
             u = PackedWeight("int4p", self.data, torch.cat([self.scales] * 2, 1), None, self.group_size,
@@ -142,9 +159,9 @@ class PackedWeight:
     def rows(self, index: torch.Tensor) -> "PackedWeight":
         """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute; the rows
         a QuantEmbedding gathers), row-major."""
-        if self.fmt in PANEL_FORMATS:
+        if self.fmt in ("int4p", "int8p"):
             return self._panel_rows(index)
-        if self.fmt == "int4x8":
+        if self.fmt in ("int4x8", "fp8p"):
             return self.row_major().rows(index)
         return PackedWeight(self.fmt, self.data[index].contiguous(), self.scales[index].contiguous(),
                             None if self.offsets is None else self.offsets[index].contiguous(),
@@ -223,27 +240,27 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype) -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
     PAGODA_INT4_ACTIVATIONS=int8, INT4 becomes int4x8 where the build has that kernel (VNNI + GFNI; K a
-    multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, INT4 becomes int4p and INT8
-    int8p where the build has the panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations keep
-    the row-major kernels, which compute in fp32 (the panel kernel's operands are bf16)."""
+    multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, INT4 becomes int4p, INT8 int8p
+    and FP8 fp8p where the build has the panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations
+    keep the row-major kernels, which compute in fp32 (the panel kernel's operands are bf16)."""
     mode = os.environ.get(INT4_ACTIVATIONS_ENV, "float")
     if mode not in ("int8", "float"):
         raise ValueError(f"{INT4_ACTIVATIONS_ENV} must be 'float' or 'int8', not {mode!r}")
-    if pw.fmt not in ("int4", "int8") or not cpp_supported(pw):
+    if pw.fmt not in ("int4", "int8", "fp8") or not cpp_supported(pw):
         return pw
     if mode == "int8" and pw.fmt == "int4":
         ok = pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size)
         return pw.interleave8() if ok else pw
-    if act_dtype == torch.bfloat16 and pw.out_features % PANEL == 0 \
-            and torch.ops.pagoda.int4_panels_supported(pw.in_features, pw.group_size):
-        return pw.panels16() if pw.fmt == "int4" else pw.int8_panels()
+    if act_dtype == torch.bfloat16 and pw.out_features % PANEL == 0 and (pw.fmt != "fp8" or pw.offsets is None) \
+            and torch.ops.pagoda.quant_panels_supported(pw.in_features, pw.group_size):
+        return {"int4": pw.panels16, "int8": pw.int8_panels, "fp8": pw.fp8_panels}[pw.fmt]()
     return pw
 
 
 def cpp_supported(pw: PackedWeight) -> bool:
     k, g = pw.in_features, pw.group_size
     if pw.fmt in PANEL_FORMATS:
-        return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.int4_panels_supported(k, g)
+        return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_panels_supported(k, g)
     return k % 32 == 0 and g % 32 == 0 and k % g == 0 and pw.data.device.type == "cpu" and kernel_available() \
         and hasattr(torch.ops.pagoda, "quant_linear")
 
@@ -264,9 +281,9 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, u
     m = x.shape[0]
     if pw.fmt in PANEL_FORMATS:  # the panel kernel runs every row count; it takes bf16 only
         if use_cpp and m > 0 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return torch.ops.pagoda.int4_panel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets,
-                                                      None if bias is None else bias.float().contiguous(),
-                                                      pw.group_size, pw.fmt == "int8p")
+            return torch.ops.pagoda.quant_panel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets,
+                                                       None if bias is None else bias.float().contiguous(),
+                                                       pw.group_size, PANEL_FORMATS.index(pw.fmt))
         return F.linear(x, pw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
     if use_cpp and 0 < m <= (CPP_MAX_M if max_cpp_m is None else max_cpp_m) and x.device.type == "cpu":
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).

@@ -1,5 +1,5 @@
 // The register tile of the panel-packed GEMM (packed_linear.cpp), shared with the INT4 panel kernel,
-// which runs it over panels it has just dequantized (int4_panel_linear.cpp).
+// which runs it over panels it has just dequantized (quant_panel_linear.cpp).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
-// y = x @ dequant(w)^T (+ bias) for group-wise INT4 weights laid out in panels of 16 output columns,
-// with bf16 activations (AVX512-BF16), at every row count.
+// y = x @ dequant(w)^T (+ bias) for INT4, INT8 and FP8 weights laid out in panels of 16 output columns,
+// with bf16 activations (AVX512-BF16), at every row count. INT8 runs as two INT4 halves and FP8 as bf16 bit
+// patterns (see Fp8Codes); the layout below is INT4's.
 //
 // Why panels: the row-major INT4 kernel (quant_linear.cpp) reduces every output across a vector and
 // applies scales one row at a time, which at decode costs about as many instructions as the dot products;
@@ -39,7 +40,8 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16, kBlockK = 8, kBlockBytes = 64;
+constexpr int64_t kPanel = 16, kBlockK = 8;
+enum Kind : int64_t { kInt4 = 0, kInt8Halves = 1, kFp8 = 2 };  // quant_linear.py: int4p, int8p, fp8p
 constexpr int kStrip = 8;  // x rows per tile
 // Up to this many rows the codes go straight into dot products; above, each tile is dequantized once and
 // runs the dense GEMM tile. Over SmolLM2's layers (cold) the direct path takes 0.65x the dequantizing one's
@@ -51,18 +53,51 @@ constexpr int64_t kDirectMaxMInt8 = 32;
 
 
 #if defined(PAGODA_INT4_PANELS)
+// How a block's bytes become four vdpbf16ps operands (8 k x 16 columns; operand o holds k = 2o + j of
+// column c at word 2c + j), and what the scales must undo.
+struct Int4Codes {  // 64 bytes, two codes a byte: the bf16 numbers 128 + q (layout above)
+  static constexpr int64_t kBytes = 64;
+  static constexpr bool kCarries128 = true;
+  static constexpr float kScale = 1.f;
+  static inline void unpack(const uint8_t* p, __m512bh (&op)[4]) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
+    const __m512i raw = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+    op[0] = (__m512bh)_mm512_unpacklo_epi8(lo, c43);
+    op[1] = (__m512bh)_mm512_unpackhi_epi8(lo, c43);
+    op[2] = (__m512bh)_mm512_unpacklo_epi8(hi, c43);
+    op[3] = (__m512bh)_mm512_unpackhi_epi8(hi, c43);
+  }
+};
+// 128 bytes of e4m3fn codes, operand o = bytes [32o, 32o + 32) in word order. Sign-extended to 16 bits and
+// shifted 4 up, an e4m3 byte's exponent and mantissa land in the low exponent and top mantissa bits of a
+// bf16 and its sign (and copies of it) above: masked, that bf16 is the e4m3 value times 2^-120, which
+// kScale gives back. e4m3 subnormals (|code| < 2^-6, under 3.5e-5 of a channel's largest weight) become bf16
+// subnormals, which vdpbf16ps reads as zero; the dequantizing path (many rows) keeps them.
+struct Fp8Codes {
+  static constexpr int64_t kBytes = 128;
+  static constexpr bool kCarries128 = false;
+  static constexpr float kScale = 1.329227995784916e36f;  // 2^120
+  static inline void unpack(const uint8_t* p, __m512bh (&op)[4]) {
+    const __m512i keep = _mm512_set1_epi16(static_cast<int16_t>(0x87F0));  // sign, exponent low 4, mantissa top 3
+    for (int o = 0; o < 4; ++o) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * o)));
+      op[o] = (__m512bh)_mm512_and_si512(_mm512_slli_epi16(w, 4), keep);
+    }
+  }
+};
+
 // Rows [0, R) of x against NP panels starting at w (panels pstride bytes apart). C: independent dot-product
 // chains per (row, panel), so that few-row tiles are not bound by vdpbf16ps latency. The per-group
 // partial sums stay in registers; the running sums go to `acc` (L1) once per group, which leaves the
 // registers to R * NP * C chains (16 at 8 rows x 2 panels).
 // G: groups of the codes; Gs: of the scales and offsets ([NP][Gs][16]), G / 2 for INT8 halves, whose code
-// group g has scale group g % Gs (see int4_panel_linear).
-template <int R, int NP, int C>
+// group g has scale group g % Gs (see quant_panel_linear).
+template <typename Codes, int R, int NP, int C>
 void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t pstride,
           const float* __restrict scales, const float* __restrict offsets, int64_t G, int64_t Gs, int64_t gs,
           const float* __restrict xs, const float* __restrict bias, c10::BFloat16* __restrict y, int64_t ldy,
           const uint8_t* next) {
-  const __m512i nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
   alignas(64) float acc[R][NP][kPanel];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NP; ++v) _mm512_store_ps(acc[r][v], _mm512_setzero_ps());
@@ -77,13 +112,11 @@ void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, 
       // (x is not reloaded per panel, and nothing of x lives across the rows: no spills at 8 rows x 2).
       __m512bh op[NP][4];
       for (int v = 0; v < NP; ++v) {
-        if (next) _mm_prefetch(reinterpret_cast<const char*>(next + v * pstride + b * kBlockBytes), _MM_HINT_T1);
-        const __m512i raw = _mm512_loadu_si512(w + v * pstride + b * kBlockBytes);
-        const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-        op[v][0] = (__m512bh)_mm512_unpacklo_epi8(lo, c43);
-        op[v][1] = (__m512bh)_mm512_unpackhi_epi8(lo, c43);
-        op[v][2] = (__m512bh)_mm512_unpacklo_epi8(hi, c43);
-        op[v][3] = (__m512bh)_mm512_unpackhi_epi8(hi, c43);
+        const uint8_t* block = w + v * pstride + b * Codes::kBytes;
+        if (next)
+          for (int64_t line = 0; line < Codes::kBytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + v * pstride + b * Codes::kBytes + line), _MM_HINT_T1);
+        Codes::unpack(block, op[v]);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -95,7 +128,8 @@ void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, 
       }
     }
     for (int v = 0; v < NP; ++v) {
-      const __m512 s = _mm512_loadu_ps(scales + (v * Gs + g % Gs) * kPanel);
+      __m512 s = _mm512_loadu_ps(scales + (v * Gs + g % Gs) * kPanel);
+      if constexpr (Codes::kScale != 1.f) s = _mm512_mul_ps(s, _mm512_set1_ps(Codes::kScale));
       for (int r = 0; r < R; ++r) {
         __m512 sum = gacc[r][v][0];
         for (int c = 1; c < C; ++c) sum = _mm512_add_ps(sum, gacc[r][v][c]);
@@ -107,11 +141,14 @@ void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, 
   for (int v = 0; v < NP; ++v) {
     __m512 a[R];
     for (int r = 0; r < R; ++r) a[r] = _mm512_load_ps(acc[r][v]);
-    for (int64_t g = 0; g < G; ++g) {
-      // The 128 each code carries; INT8 halves: the l half also the 128 of u = q + 128, and q's offsets.
+    for (int64_t g = 0; g < G && (Codes::kCarries128 || offsets); ++g) {
+      // The 128 each INT4 code carries; INT8 halves: the l half also the 128 of u = q + 128, and q's offsets.
       const bool l_half = G != Gs && g >= Gs, with_offset = offsets && (G == Gs || l_half);
-      const __m512 sv = _mm512_loadu_ps(scales + (v * Gs + g % Gs) * kPanel);
-      __m512 z = _mm512_mul_ps(sv, l_half ? _mm512_add_ps(m128, m128) : m128);
+      __m512 z = _mm512_setzero_ps();
+      if constexpr (Codes::kCarries128) {
+        const __m512 sv = _mm512_loadu_ps(scales + (v * Gs + g % Gs) * kPanel);
+        z = _mm512_mul_ps(sv, l_half ? _mm512_add_ps(m128, m128) : m128);
+      }
       if (with_offset) z = _mm512_add_ps(z, _mm512_loadu_ps(offsets + (v * Gs + g % Gs) * kPanel));
       for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), a[r]);
     }
@@ -124,27 +161,19 @@ void tile(const uint16_t* __restrict x, int64_t K, const uint8_t* __restrict w, 
 
 // Panels [0, NP) of the codes as bf16 weights in packed_linear's layout [NP][K/2][16][2], w = q s + o
 // rounded once to bf16 (as the dequantize-then-GEMM path rounds): operand o of block b is that layout's
-// pair row 4b + o, so each converts in place of order. I8: INT8 halves (see int4_panel_linear), K the
+// pair row 4b + o, so each converts in place of order. I8: INT8 halves (see quant_panel_linear), K the
 // columns of the [h | l] codes; the output is the K/2 columns of the INT8 weight, w = (16 h + l - 128) s + o.
 // scales, offsets: [NP][G][16], G the groups of the output's K.
-template <int NP, bool I8>
+template <typename Codes, int NP, bool I8>
 void dequant_panels(const uint8_t* w, int64_t pstride, const float* scales, const float* offsets, int64_t G,
                     int64_t gs, c10::BFloat16* out, int64_t K) {
-  const __m512i nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
   // Lane i of the fp32 halves of an operand is column i / 2 (first 16 words) or 8 + i / 2 (last 16).
   const __m512i cols_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i cols_hi = _mm512_add_epi32(cols_lo, _mm512_set1_epi32(8));
   const int64_t blocks_per_group = gs / kBlockK, Kout = I8 ? K / 2 : K;
-  auto operands = [&](const uint8_t* p, __m512i (&op)[4]) {
-    const __m512i raw = _mm512_loadu_si512(p);
-    const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-    op[0] = _mm512_unpacklo_epi8(lo, c43);
-    op[1] = _mm512_unpackhi_epi8(lo, c43);
-    op[2] = _mm512_unpacklo_epi8(hi, c43);
-    op[3] = _mm512_unpackhi_epi8(hi, c43);
-  };
-  auto as_f32 = [](__m512i words, int half) {  // bf16 bits to fp32: the same bits, 16 places up
-    const __m256i w16 = half ? _mm512_extracti64x4_epi64(words, 1) : _mm512_castsi512_si256(words);
+  auto as_f32 = [](__m512bh words, int half) {  // bf16 bits to fp32: the same bits, 16 places up
+    const __m512i wi = (__m512i)words;
+    const __m256i w16 = half ? _mm512_extracti64x4_epi64(wi, 1) : _mm512_castsi512_si256(wi);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
   };
   auto spread = [&](__m512 t, __m512 (&out2)[2]) {  // per column -> per lane of each fp32 half
@@ -154,18 +183,19 @@ void dequant_panels(const uint8_t* w, int64_t pstride, const float* scales, cons
   for (int v = 0; v < NP; ++v) {
     auto* o = reinterpret_cast<__m512i*>(out + v * Kout * kPanel);
     for (int64_t g = 0; g < G; ++g) {
-      // The code words are 128 + c: w = (128 + c) s + (o - 128 s). I8: w = 16 (128 + h) s + (128 + l) s +
-      // (o - 2304 s), as 128 * 16 + 128 + 128 (u = q + 128) = 2304.
+      // INT4 code words are 128 + c: w = (128 + c) s + (o - 128 s). I8: w = 16 (128 + h) s + (128 + l) s +
+      // (o - 2304 s), as 128 * 16 + 128 + 128 (u = q + 128) = 2304. FP8: w = (bf16 word) 2^120 s + o.
       const __m512 sc = _mm512_loadu_ps(scales + (v * G + g) * kPanel);
       const __m512 off = offsets ? _mm512_loadu_ps(offsets + (v * G + g) * kPanel) : _mm512_setzero_ps();
+      const float carried = !Codes::kCarries128 ? 0.f : I8 ? -2304.f : -128.f;
       __m512 s[2], sh[2], z[2];
-      spread(sc, s);
+      spread(_mm512_mul_ps(sc, _mm512_set1_ps(Codes::kScale)), s);
       spread(_mm512_mul_ps(sc, _mm512_set1_ps(16.f)), sh);
-      spread(_mm512_fmadd_ps(sc, _mm512_set1_ps(I8 ? -2304.f : -128.f), off), z);
+      spread(_mm512_fmadd_ps(sc, _mm512_set1_ps(carried), off), z);
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-        __m512i op[4], opl[4];
-        operands(w + v * pstride + b * kBlockBytes, op);
-        if constexpr (I8) operands(w + v * pstride + (b + Kout / kBlockK) * kBlockBytes, opl);
+        __m512bh op[4], opl[4];
+        Codes::unpack(w + v * pstride + b * Codes::kBytes, op);
+        if constexpr (I8) Codes::unpack(w + v * pstride + (b + Kout / kBlockK) * Codes::kBytes, opl);
         for (int q = 0; q < 4; ++q) {
           __m512 f[2];
           for (int h = 0; h < 2; ++h) {
@@ -191,20 +221,20 @@ __attribute__((noinline)) void dense_strips(const c10::BFloat16* x, int64_t M, i
     });
 }
 
-template <int NP>
+template <typename Codes, int NP>
 void strips(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t pstride, const float* scales,
             const float* offsets, int64_t G, int64_t Gs, int64_t gs, const float* xs, const float* bias,
             c10::BFloat16* y, int64_t N, const uint8_t* next) {
   for (int64_t m0 = 0; m0 < M; m0 += kStrip)
     dispatch_m(std::min<int64_t>(kStrip, M - m0), [&](auto rc) {
       constexpr int R = decltype(rc)::value, C = R <= 2 ? 2 : 1;
-      tile<R, NP, C>(x + m0 * K, K, w, pstride, scales, offsets, G, Gs, gs, xs + m0 * G, bias, y + m0 * N, N,
+      tile<Codes, R, NP, C>(x + m0 * K, K, w, pstride, scales, offsets, G, Gs, gs, xs + m0 * G, bias, y + m0 * N, N,
                      m0 == 0 ? next : nullptr);
     });
 }
 #endif
 
-bool int4_panels_supported(int64_t K, int64_t group_size) {
+bool quant_panels_supported(int64_t K, int64_t group_size) {
 #if defined(PAGODA_INT4_PANELS)
   return group_size > 0 && group_size % kBlockK == 0 && K % group_size == 0;
 #else
@@ -214,37 +244,42 @@ bool int4_panels_supported(int64_t K, int64_t group_size) {
 #endif
 }
 
-// int8_halves: the weight is INT8 as two INT4 halves (PackedWeight.int8_panels): codes u = q + 128 = 16 h + l
-// become the codes of a [N, 2K] INT4 weight [h | l], whose first half multiplies 16 x (exact in bf16) and
-// whose second half takes off the 128 of u (and carries q's offsets), so the product is x (q s + o) with
-// the same exact products and fp32 sums. Both halves share the INT8 weight's scales [N/16, K/gs, 16].
-at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                             const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
-                             int64_t group_size, bool int8_halves) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "int4_panel_linear: x must be bf16 [M, K]");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kBlockBytes &&
-                  codes.is_contiguous(), "int4_panel_linear: codes must be uint8 [N/16, K/8, 64] (PackedWeight.panels16)");
+// kind (Kind): kInt4; kInt8Halves, the weight INT8 as two INT4 halves (PackedWeight.int8_panels): codes
+// u = q + 128 = 16 h + l become the codes of a [N, 2K] INT4 weight [h | l], whose first half multiplies 16 x
+// (exact in bf16) and whose second half takes off the 128 of u (and carries q's offsets), so the product is
+// x (q s + o) with the same exact products and fp32 sums, both halves sharing the INT8 weight's scales
+// [N/16, K/gs, 16]; kFp8, e4m3 codes in 128-byte blocks (Fp8Codes), one scale per column (gs = K).
+at::Tensor quant_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                              int64_t group_size, int64_t kind) {
+  TORCH_CHECK(kind == kInt4 || kind == kInt8Halves || kind == kFp8, "quant_panel_linear: unknown kind ", kind);
+  const bool halves = kind == kInt8Halves;
+  const int64_t block_bytes = kind == kFp8 ? 128 : 64;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "quant_panel_linear: x must be bf16 [M, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == block_bytes &&
+                  codes.is_contiguous(),
+              "quant_panel_linear: codes must be uint8 [N/16, K/8, ", block_bytes, "] (PackedWeight.panels16)");
   // Kx: the columns of x; K: of the codes (twice Kx for INT8 halves).
   const int64_t M = x_in.size(0), Kx = x_in.size(1), K = codes.size(1) * kBlockK, P = codes.size(0), N = P * kPanel;
-  TORCH_CHECK(K == (int8_halves ? 2 : 1) * Kx, "int4_panel_linear: x has ", Kx, " columns, the weight ",
-              int8_halves ? K / 2 : K);
-  const bool dequantized = M > (int8_halves ? kDirectMaxMInt8 : kDirectMaxM);
+  TORCH_CHECK(K == (halves ? 2 : 1) * Kx, "quant_panel_linear: x has ", Kx, " columns, the weight ",
+              halves ? K / 2 : K);
+  TORCH_CHECK(quant_panels_supported(Kx, group_size), "quant_panel_linear: unsupported K ", Kx, " / group size ",
+              group_size, " (or no AVX512-BF16 in this build)");
+  const bool dequantized = M > (halves ? kDirectMaxMInt8 : kDirectMaxM);
   const at::Tensor xo = x_in.contiguous();
   // The direct path's x: for INT8 halves [16 x | x], one column per column of the codes.
-  const at::Tensor x = int8_halves && !dequantized ? at::cat(std::vector<at::Tensor>{at::mul(xo, 16), xo}, 1) : xo;
-  TORCH_CHECK(int4_panels_supported(Kx, group_size), "int4_panel_linear: unsupported K ", Kx, " / group size ",
-              group_size, " (or no AVX512-BF16 in this build)");
+  const at::Tensor x = halves && !dequantized ? at::cat(std::vector<at::Tensor>{at::mul(xo, 16), xo}, 1) : xo;
   const int64_t G = K / group_size, Gs = Kx / group_size;  // groups of the codes, of the scales
   auto check_groups = [&](const at::Tensor& t, const char* what) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == P &&
                     t.size(1) == Gs && t.size(2) == kPanel,
-                "int4_panel_linear: ", what, " must be fp32 [N/16, K/group_size, 16]");
+                "quant_panel_linear: ", what, " must be fp32 [N/16, K/group_size, 16]");
   };
   check_groups(scales, "scales");
   if (offsets.has_value()) check_groups(*offsets, "offsets");
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "int4_panel_linear: bias must be fp32 [N]");
+                "quant_panel_linear: bias must be fp32 [N]");
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(PAGODA_INT4_PANELS)
   const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
@@ -254,7 +289,7 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
   const float* op = offsets.has_value() ? offsets->const_data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   auto* yp = y.mutable_data_ptr<c10::BFloat16>();
-  const int64_t pstride = K / kBlockK * kBlockBytes;
+  const int64_t pstride = K / kBlockK * block_bytes;
   if (dequantized) {
     // Many rows: each tile of 3 panels is dequantized to bf16 once into a per-task buffer that stays in
     // L2, then runs the dense panel GEMM's 8 x 48 tile for every strip of rows. The unpacking is paid once
@@ -270,8 +305,9 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
           constexpr int NPc = decltype(npc)::value;
           const uint8_t* wt = wp + p * pstride;
           const float *st = sp + p * Gs * kPanel, *ot = op ? op + p * Gs * kPanel : nullptr;
-          if (int8_halves) dequant_panels<NPc, true>(wt, pstride, st, ot, Gs, group_size, buf, K);
-          else dequant_panels<NPc, false>(wt, pstride, st, ot, Gs, group_size, buf, K);
+          if (kind == kFp8) dequant_panels<Fp8Codes, NPc, false>(wt, pstride, st, ot, Gs, group_size, buf, K);
+          else if (halves) dequant_panels<Int4Codes, NPc, true>(wt, pstride, st, ot, Gs, group_size, buf, K);
+          else dequant_panels<Int4Codes, NPc, false>(wt, pstride, st, ot, Gs, group_size, buf, K);
           dense_strips<NPc>(xo.const_data_ptr<c10::BFloat16>(), M, Kx, buf, bp ? bp + p * kPanel : nullptr,
                             yp + p * kPanel, N);
         };
@@ -282,18 +318,19 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
     });
     return y;
   }
-  // Group sums of x in fp32, for the offset term (and the 128 each code carries).
+  // Group sums of x in fp32, for the offset term (and the 128 each INT4 code carries).
   std::vector<float> xs(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const c10::BFloat16* r = xb + m * K + g * group_size;
-      __m512 sum = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 16 <= group_size; k += 16) sum = _mm512_add_ps(sum, load_bf16x16(r + k));
-      float total = _mm512_reduce_add_ps(sum);
-      for (; k < group_size; ++k) total += static_cast<float>(r[k]);
-      xs[m * G + g] = total;
-    }
+  if (kind != kFp8 || op)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        const c10::BFloat16* r = xb + m * K + g * group_size;
+        __m512 sum = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= group_size; k += 16) sum = _mm512_add_ps(sum, load_bf16x16(r + k));
+        float total = _mm512_reduce_add_ps(sum);
+        for (; k < group_size; ++k) total += static_cast<float>(r[k]);
+        xs[m * G + g] = total;
+      }
   // Few rows: the codes straight into dot products. At one row, four panels a tile (two chains each);
   // otherwise 8-row strips over two panels, revisited by every strip while they sit in L1. Threads split
   // the panels evenly, each walks its own tiles.
@@ -306,8 +343,14 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
       const uint8_t* next = p + n + np <= p1 ? wp + (p + n) * pstride : nullptr;
       auto run = [&](auto npc) {
         constexpr int NP = decltype(npc)::value;
-        strips<NP>(xp, M, K, wp + p * pstride, pstride, sp + p * Gs * kPanel, op ? op + p * Gs * kPanel : nullptr,
-                   G, Gs, group_size, xs.data(), bp ? bp + p * kPanel : nullptr, yp + p * kPanel, N, next);
+        auto go = [&](auto codes_tag) {
+          using Codes = decltype(codes_tag);
+          strips<Codes, NP>(xp, M, K, wp + p * pstride, pstride, sp + p * Gs * kPanel,
+                            op ? op + p * Gs * kPanel : nullptr, G, Gs, group_size, xs.data(),
+                            bp ? bp + p * kPanel : nullptr, yp + p * kPanel, N, next);
+        };
+        if (kind == kFp8) go(Fp8Codes{});
+        else go(Int4Codes{});
       };
       switch (n) {
         case 4: run(std::integral_constant<int, 4>{}); break;
@@ -324,17 +367,17 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, co
 }  // namespace
 
 namespace pagoda_cpu {
-at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                             const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
-                             int64_t group_size, bool int8_halves) {
-  return ::int4_panel_linear(x, codes, scales, offsets, bias, group_size, int8_halves);
+at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                              int64_t group_size, int64_t kind) {
+  return ::quant_panel_linear(x, codes, scales, offsets, bias, group_size, kind);
 }
 }  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
-  m.def("int4_panel_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
-        "bool int8_halves=False) -> Tensor");
-  m.def("int4_panels_supported(int K, int group_size) -> bool", &int4_panels_supported);
+  m.def("quant_panel_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
+        "int kind=0) -> Tensor");
+  m.def("quant_panels_supported(int K, int group_size) -> bool", &quant_panels_supported);
 }
 
-TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("int4_panel_linear", &int4_panel_linear); }
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("quant_panel_linear", &quant_panel_linear); }
