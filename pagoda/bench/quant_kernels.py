@@ -5,8 +5,8 @@ dense Linear runs), Pagoda's C++ streaming kernel per format
 (cpu/quant_linear.cpp), torch's packed ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu with
 bf16 activations) and dequantize-then-F.linear in bf16. Prints microseconds per call.
 
-`--model-sweep float32|bfloat16|int4` times the dense (or INT4-layer, INT8-head) kernels the way a step
-meets them instead: every one of SmolLM2's 30 layers with its own weights (cold in cache) plus the LM
+`--model-sweep float32|bfloat16|int4|fp8` times the dense (or quantized) kernels the way a step meets them
+instead: every one of SmolLM2's 30 layers with its own weights (cold in cache) plus the LM
 head, one call each, rounds alternating between the kernels, best of `--rounds`; milliseconds per step.
 """
 from __future__ import annotations
@@ -59,9 +59,10 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         if panels is not None:
             out[name] = lambda xx=xx, ww=ww, panels=panels: linear(xx, ww, None, small_m_ok=False, panels=panels)
     if n % 16 == 0 and torch.ops.pagoda.quant_panels_supported(k, p4.group_size):  # bf16 INT4/INT8 layers
-        p4p, p8p = p4.panels16(), p8.int8_panels()
+        p4p, p8p, pfp = p4.panels16(), p8.int8_panels(), pf.fp8_panels()
         out["int4 panels"] = lambda: quant_linear(xb, p4p, None, use_cpp=True)
         out["int8 panels"] = lambda: quant_linear(xb, p8p, None, use_cpp=True)
+        out["fp8 panels"] = lambda: quant_linear(xb, pfp, None, use_cpp=True)
     if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # PAGODA_INT4_ACTIVATIONS=int8
         p4x8 = p4.interleave8()
         out["int4x8 int8-act"] = lambda: quant_linear(xb, p4x8, None, use_cpp=True, max_cpp_m=1 << 30)
@@ -99,26 +100,30 @@ def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[s
     return out
 
 
-def _int4_kernels(ws: list[PackedWeight]) -> dict[str, LayerCall]:
-    """INT4 layers and an INT8 LM head (as the INT4 methods hold them), bf16 activations: the row-major
-    kernels (streaming up to CPP_MAX_M rows, dequantize-then-oneDNN above) first; then the panels."""
-    panels = [pw.panels16() if pw.fmt == "int4" else pw.int8_panels() for pw in ws]
+def _quant_kernels(ws: list[PackedWeight]) -> dict[str, LayerCall]:
+    """Quantized layers and LM head, bf16 activations: the row-major kernels (streaming up to CPP_MAX_M
+    rows, dequantize-then-oneDNN above) first; then the panels."""
+    panels = [{"int4": pw.panels16, "int8": pw.int8_panels, "fp8": pw.fp8_panels}[pw.fmt]() for pw in ws]
     return {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True),
             "panels": lambda x, i: quant_linear(x, panels[i], None, use_cpp=True)}
 
 
 def model_sweep(kind: str, ms: list[int], rounds: int = 4) -> None:
-    """kind: float32 | bfloat16 (dense kernels) | int4 (INT4 g64 layers and an INT8 head, bf16 activations)."""
+    """kind: float32 | bfloat16 (dense kernels) | int4 (INT4 g64 layers and an INT8 head, as the INT4 methods
+    hold them) | fp8 (FP8 layers and head); the quantized kinds with bf16 activations."""
     shapes = SHAPES[:-1] * NUM_LAYERS + SHAPES[-1:]
-    dtype = torch.bfloat16 if kind == "int4" else getattr(torch, kind)
+    quantized = kind in ("int4", "fp8")
+    dtype = torch.bfloat16 if quantized else getattr(torch, kind)
     ws = [torch.randn(n, k) / k**0.5 for k, n in shapes]
     if kind == "int4":
         ws = [quantize_weight("int4", w, 64) for w in ws[:-1]] + [quantize_weight("int8", ws[-1])]
+    elif kind == "fp8":
+        ws = [quantize_weight("fp8", w) for w in ws]
     else:
         ws = [w.to(dtype) for w in ws]
     for m in ms:
         xs = {k: torch.randn(m, k).to(dtype) for k, _ in SHAPES}
-        kernels = _int4_kernels(ws) if kind == "int4" else _dense_kernels(dtype, ws, m)
+        kernels = _quant_kernels(ws) if quantized else _dense_kernels(dtype, ws, m)
         best = dict.fromkeys(kernels, float("inf"))
         for _ in range(rounds):
             for name, fn in kernels.items():
@@ -136,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--m", default="1,4,8,32,128,512")
     ap.add_argument("--shapes", default=None, help="K:N,K:N (default: SmolLM2-135M's)")
-    ap.add_argument("--model-sweep", choices=["float32", "bfloat16", "int4"], default=None,
-                    help="time the dense (or INT4) kernels over a whole model's linears per step (cold weights)")
+    ap.add_argument("--model-sweep", choices=["float32", "bfloat16", "int4", "fp8"], default=None,
+                    help="time the dense (or quantized) kernels over a whole model's linears per step (cold weights)")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args(argv)
     if not kernel_available():
