@@ -111,23 +111,8 @@ class PackedWeight:
             n, k = self.out_features, self.in_features
             data = self.data.view(n // PANEL, k // 8, 4, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
             return PackedWeight("fp8", data.contiguous(), _rows_of(self.scales), None, self.group_size, k)
-        if self.fmt == "int8p":
-            k = self.in_features
-            u = PackedWeight("int4p", self.data, torch.cat([self.scales] * 2, 1), None, self.group_size,
-                             2 * k).row_major().codes().to(torch.int16)
-            q = (16 * u[:, :k] + u[:, k:] - 128).to(torch.int8)
-            return PackedWeight("int8", q.contiguous(), _rows_of(self.scales),
-                                None if self.offsets is None else _rows_of(self.offsets), self.group_size, k)
-        if self.fmt == "int4p":
-            n, k = self.out_features, self.in_features
-            c, k_lo, k_hi = _panel_byte_map()
-            q = torch.empty(n // PANEL, k // 8, PANEL, 8, dtype=torch.uint8)
-            q[:, :, c, k_lo] = self.data & 0xF
-            q[:, :, c, k_hi] = self.data >> 4
-            q = q.transpose(1, 2).reshape(n, k)
-            offsets = None if self.offsets is None else _rows_of(self.offsets)
-            return PackedWeight("int4", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), _rows_of(self.scales),
-                                offsets, self.group_size, k)
+        if self.fmt in ("int4p", "int8p"):
+            return self._panel_rows(torch.arange(self.out_features))
         if self.fmt != "int4x8":
             return self
         n, k = self.out_features, self.in_features
@@ -169,7 +154,8 @@ class PackedWeight:
 
     def _panel_rows(self, index: torch.Tensor) -> "PackedWeight":
         """rows() of int4p / int8p without re-laying the whole weight (a tied LM head's table serves the
-        embedding's lookups): one gather of each selected column's 8 nibbles per block."""
+        embedding's lookups; with every row, row_major()): one gather of each selected column's 8 nibbles
+        per block."""
         p, c = index // PANEL, index % PANEL
         blocks = self.data[p]                                                   # [R, K'/8, 64]
         nibbles = torch.cat([blocks & 0xF, blocks >> 4], dim=-1)                # [R, K'/8, 128]
