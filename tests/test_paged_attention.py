@@ -11,14 +11,16 @@ import pagoda.kernels.paged_attention as pa
 from pagoda.kernels.fused_ops import write_kv_cache
 
 
-def make_batch(specs, hq, hkv, d, bs, dtype, seed=0):
+def make_batch(specs, hq, hkv, d, bs, dtype, seed=0, words=False):
     """Random paged batch; specs = [(q_len, seq_len)]. Cache holds NaN in unused slots
-    so any read outside a sequence's valid keys poisons the output."""
+    so any read outside a sequence's valid keys poisons the output. words: K stored as words
+    ([num_blocks, Hkv, D/2, bs, 2], pa.k_cache_shape)."""
     g = torch.Generator().manual_seed(seed)
     nblk = [math.ceil(s / bs) for _, s in specs]
     num_blocks = sum(nblk) + 3
-    k_cache = torch.full((num_blocks, hkv, bs, d), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
+    v_cache = torch.full((num_blocks, hkv, bs, d), float("nan"), dtype=dtype)
+    k_shape = (num_blocks, hkv, d // 2, bs, 2) if words else (num_blocks, hkv, bs, d)
+    k_cache = torch.full(k_shape, float("nan"), dtype=dtype)
     perm = torch.randperm(num_blocks, generator=g)  # shuffled, non-contiguous blocks
     block_tables = torch.zeros(len(specs), max(nblk), dtype=torch.int32)
     dense_k, dense_v, qs, used = [], [], [], 0
@@ -56,6 +58,10 @@ def dense_sdpa(q, dense_k, dense_v, qsl, seq_lens, scale):
 MIXED = [(1, 1), (1, 37), (5, 5), (23, 23), (1, 64), (17, 50), (40, 131), (1, 16), (3, 3), (64, 64)]
 
 needs_kernel = pytest.mark.skipif(not pa.kernel_available(), reason="C++ kernel did not build")
+# bf16 caches: K as rows (the fp32-staging path) and as words (bf16 dot products), where this CPU has them
+needs_words = pytest.mark.skipif(not pa.k_words_supported(torch.bfloat16, 16, 64),
+                                 reason="K words need AVX512-BF16 and the C++ kernel")
+K_LAYOUTS = [False, pytest.param(True, marks=needs_words)]
 
 
 @needs_kernel
@@ -74,9 +80,10 @@ def test_kernel_matches_reference_and_sdpa_fp32(hq, hkv, bs):
 
 
 @needs_kernel
-@pytest.mark.parametrize("d", [64, 128])
-def test_kernel_bf16(d):
-    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, d, 16, torch.bfloat16, seed=d)
+@pytest.mark.parametrize("words", K_LAYOUTS)
+@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (64, 32)])
+def test_kernel_bf16(d, bs, words):
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, d, bs, torch.bfloat16, seed=d, words=words)
     scale = d ** -0.5
     want = dense_sdpa(q, dk, dv, qsl, sl, scale)
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
@@ -88,14 +95,15 @@ def test_kernel_bf16(d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("words", K_LAYOUTS)
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (9, 3), (8, 1), (8, 8)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_kernel_bf16_few_rows(hq, hkv, d):
-    """Work items of at most 8 rows (a decode query's group of heads, or two queries of a small group)
-    read K and V rows from a bf16 cache in place: one key, partial and whole 32-key chunks, more than
-    one block, and steps of 2 and 3 queries; the NaN-filled free slots catch any read past a sequence."""
-    specs = [(1, 1), (1, 37), (2, 40), (1, 130), (3, 3), (1, 16), (2, 2), (1, 64)]
-    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, hq, hkv, d, 16, torch.bfloat16, seed=hq + d)
+def test_kernel_bf16_few_rows(hq, hkv, d, words):
+    """Work items of at most 8 rows (a decode query's group of heads, or two queries of a small group):
+    one key, partial and whole 32-key chunks (a second group of 16 keys absent, partial, whole), more
+    than one block, and steps of 2 and 3 queries; the NaN-filled free slots catch any read past a sequence."""
+    specs = [(1, 1), (1, 37), (2, 40), (1, 130), (3, 3), (1, 16), (1, 17), (2, 2), (1, 64), (1, 48)]
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, hq, hkv, d, 16, torch.bfloat16, seed=hq + d, words=words)
     scale = d ** -0.5
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
     torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, sl, scale), atol=1e-2, rtol=1e-2)
@@ -107,6 +115,10 @@ def test_kernel_large_batch_and_long_prefill():
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, 4, 2, 64, 16, torch.float32, seed=1)
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
     torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, sl, 0.125), atol=2e-5, rtol=1e-5)
+    if pa.k_words_supported(torch.bfloat16, 16, 64):  # the same batch over a bf16 cache with K words
+        q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, 4, 2, 64, 16, torch.bfloat16, seed=1, words=True)
+        got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
+        torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, sl, 0.125), atol=1e-2, rtol=1e-2)
 
 
 @needs_kernel
@@ -148,6 +160,23 @@ def test_write_kv_cache_follows_slots():
     assert (v_cache.abs().sum((1, 3)) != 0).eq(written).all()
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_kernel)])
+def test_write_kv_cache_k_words(kernel):
+    """A K cache stored as words holds what the row layout holds, written by the C++ op or by indexing."""
+    bs, hkv, d = 16, 2, 64
+    rows = torch.zeros(5, hkv, bs, d, dtype=torch.bfloat16)
+    words = pa.k_words(rows)
+    assert words.shape == (5, hkv, d // 2, bs, 2) and torch.equal(pa.k_rows(words), rows)
+    v1, v2 = torch.zeros_like(rows), torch.zeros_like(rows)
+    k = torch.randn(7, hkv, d).bfloat16()
+    v = torch.randn(7, hkv, d).bfloat16()
+    slots = torch.tensor([0, 17, 31, 2 * bs + 5, 4 * bs + 15, 3 * bs, 1])
+    write_kv_cache(k, v, rows, v1, slots, kernel=kernel)
+    write_kv_cache(k, v, words, v2, slots, kernel=kernel)
+    assert torch.equal(pa.k_rows(words), rows) and torch.equal(v1, v2)
+    assert torch.equal(pa.k_words(rows), words)
+
+
 def test_write_then_attend_decode_step():
     """End to end: write a new token's K/V, then attend with seq_lens including it."""
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch([(1, 10), (1, 5)], 4, 2, 64, 4, torch.float32)
@@ -163,16 +192,18 @@ def test_write_then_attend_decode_step():
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,kv_dtype",
-                         [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8)])
-def test_fused_rope_cache_attention_equals_the_three_ops(dtype, kv_dtype):
+@pytest.mark.parametrize("dtype,kv_dtype,words",
+                         [(torch.float32, None, False), (torch.bfloat16, None, False),
+                          (torch.bfloat16, torch.int8, False),
+                          pytest.param(torch.bfloat16, None, True, marks=needs_words)])
+def test_fused_rope_cache_attention_equals_the_three_ops(dtype, kv_dtype, words):
     """rope_cache_attention (one call per layer) = rope_, then write_kv_, then paged_attention."""
     from pagoda.kernels.fused_ops import rope_
     from pagoda.layers.rotary import RotaryEmbedding
 
     hq, hkv, d, bs = 6, 2, 32, 16
     specs = [(1, 37), (5, 5), (17, 50)]  # decode, prefill, chunked prefill over earlier context
-    _, k_cache, v_cache, tables, qsl, seq_lens, _, _ = make_batch(specs, hq, hkv, d, bs, dtype)
+    _, k_cache, v_cache, tables, qsl, seq_lens, _, _ = make_batch(specs, hq, hkv, d, bs, dtype, words=words)
     scales = None
     if kv_dtype is not None:
         k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)

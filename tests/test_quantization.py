@@ -149,11 +149,19 @@ def test_gguf_native_bf16_runs_the_panel_kernel_and_matches_bf16_float():
     ids = torch.tensor([0, 5, 49151, 1234, 5])
     row_major = model.lm_head.qweight.row_major()
     assert torch.equal(model.embed_tokens(ids), row_major.rows(ids).dequantize(torch.bfloat16))
-    # Against the dequantized GGUF in bf16 (dense panel kernels): measured 5 of 6 prompts identical over 32
-    # tokens, the sixth for its first 21 (bf16 rounding in different kernels flips near-tie argmaxes).
+    # Against the dequantized GGUF in bf16 (dense panel kernels). bf16 logits of ~16 are 0.0625 apart, so
+    # exact and one-step ties are common, and different kernels' summation orders flip them: each output
+    # must agree for 16 tokens or part at such a tie (measured: 4 prompts agree over all 32 tokens, one for
+    # 21, one parts at token 4 where the reference's token is 0.0625 below the greedy one).
     reference = _greedy(LLM(dtype="bfloat16", kv_cache_memory="64MiB"))
-    for got, want in zip(_greedy(llm), reference):
-        assert _common_prefix(got, want) >= min(16, len(want))
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=5)
+    outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], sp, use_tqdm=False)
+    for out, want in zip(outs, reference):
+        got = list(out.outputs[0].token_ids)
+        n = _common_prefix(got, want)
+        if n < min(16, len(want)):  # same context up to n: the two choices there must be a near-tie of ours
+            lps = out.outputs[0].logprobs[n]
+            assert want[n] in lps and lps[got[n]].logprob - lps[want[n]].logprob <= 0.13, (n, got, want)
 
 
 def test_int8_greedy_matches_float(float_tokens):

@@ -10,6 +10,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
+from pagoda.kernels.paged_attention import k_cache_shape
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles
@@ -94,16 +95,18 @@ class ModelRunner:
         return 2 * a.num_layers * a.num_kv_heads * self.block_size * fmt.bytes_per_row(a.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One preallocated pool per layer: [num_blocks, Hkv, block_size, D] for K and for V.
+        """One preallocated pool per layer: [num_blocks, Hkv, block_size, D] for K and for V (a bf16 K as
+        words on CPUs whose attention kernel takes them: kernels/paged_attention.py k_cache_shape).
 
         8-bit kv_cache_dtype adds fp32 scales [num_blocks, Hkv, block_size] per layer for K and V."""
         a = self.args
         fmt = kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype)
         shape = (num_blocks, a.num_kv_heads, self.block_size, a.head_dim)
+        k_shape = k_cache_shape(*shape, fmt.dtype) if self.device.type == "cpu" else shape
         self.kv_caches = []
         self.kv_scales = []
         for attn in self.model.attention_layers():
-            k = torch.zeros(shape, dtype=fmt.dtype, device=self.device)
+            k = torch.zeros(k_shape, dtype=fmt.dtype, device=self.device)
             v = torch.zeros(shape, dtype=fmt.dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))

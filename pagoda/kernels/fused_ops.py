@@ -82,7 +82,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         else:
             torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping)
         return
-    bs = k_cache.shape[2]
+    bs = v_cache.shape[2]
     slots = slot_mapping.long()
     blocks = torch.div(slots, bs, rounding_mode="floor")
     offsets = slots - blocks * bs
@@ -96,7 +96,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_scale[blocks, :, offsets] = ks
         v_scale[blocks, :, offsets] = vs
         return
-    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    if k_cache.dim() == 5:  # K as words [N, Hkv, D/2, bs, 2] (paged_attention.k_cache_shape): [T, Hkv, D/2, 2]
+        k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype).unflatten(-1, (-1, 2))
+    else:
+        k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
 

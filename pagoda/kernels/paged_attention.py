@@ -8,6 +8,12 @@ Cache layout: ``[num_blocks, Hkv, block_size, D]``; a token at position ``j`` of
 sequence ``b`` lives at ``cache[block_tables[b, j // block_size], :, j % block_size]``.
 An 8-bit cache (kv_cache_dtype int8/fp8) comes with fp32 scales ``[num_blocks, Hkv, block_size]``
 and is dequantized row by row inside the kernel (pagoda/kernels/kv_quant.py).
+
+A bf16 K cache is stored as words where the kernel multiplies it with bf16 dot products
+(`k_cache_shape`): ``[num_blocks, Hkv, D/2, block_size, 2]``, each 32-bit word a pair of d of one key,
+consecutive keys' words adjacent. One 64-byte load then holds a pair of d for 16 keys, which is the
+operand of vdpbf16ps, so scores need no horizontal sums and K no staging (decode attention: 2.0x less
+time per layer than row-major keys, docs/benchmarks.md). V stays row-major: P @ V reads V by rows.
 """
 from __future__ import annotations
 
@@ -15,11 +21,39 @@ import logging
 
 import torch
 
+from pagoda.kernels.cpu_extension import cpu_flags, kernel_available
 from pagoda.kernels.cpu_extension import disabled as _disabled
-from pagoda.kernels.cpu_extension import kernel_available
 
 logger = logging.getLogger(__name__)
 _warned = False
+
+
+def k_words_supported(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether a K cache of this dtype and shape is stored as words: bf16, on a CPU whose kernel takes them."""
+    return (dtype == torch.bfloat16 and block_size % 16 == 0 and head_dim % 32 == 0
+            and "avx512_bf16" in cpu_flags() and kernel_available())
+
+
+def k_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                  dtype: torch.dtype) -> tuple[int, ...]:
+    """The K cache's shape: words (5-D) where `k_words_supported`, else like V's."""
+    if k_words_supported(dtype, block_size, head_dim):
+        return (num_blocks, num_kv_heads, head_dim // 2, block_size, 2)
+    return (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def k_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """K blocks as rows, [n, Hkv, block_size, D] (a copy when they are stored as words)."""
+    if k_cache.dim() == 4:
+        return k_cache
+    n, h, d2, bs, _ = k_cache.shape
+    return k_cache.permute(0, 1, 3, 2, 4).reshape(n, h, bs, 2 * d2)
+
+
+def k_words(k_rows: torch.Tensor) -> torch.Tensor:
+    """[n, Hkv, block_size, D] rows -> the words layout (contiguous)."""
+    n, h, bs, d = k_rows.shape
+    return k_rows.reshape(n, h, bs, d // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def _kernel_supports(q: torch.Tensor, k_cache: torch.Tensor, quantized: bool) -> bool:
@@ -92,7 +126,7 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Pure-torch paged attention: per sequence, gather its blocks and apply a causal mask."""
     T, Hq, D = q.shape
-    _, Hkv, bs, _ = k_cache.shape
+    _, Hkv, bs, _ = v_cache.shape
     group = Hq // Hkv
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
@@ -104,7 +138,7 @@ def paged_attention_reference(
             continue
         blocks = block_tables[b, : (seq_len + bs - 1) // bs].long()
         # [n, Hkv, bs, D] -> [Hkv, n*bs, D] -> first seq_len keys, one copy per query head.
-        k = k_cache[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :seq_len].float()
+        k = k_rows(k_cache[blocks]).transpose(0, 1).reshape(Hkv, -1, D)[:, :seq_len].float()
         v = v_cache[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :seq_len].float()
         if k_scale is not None and v_scale is not None:  # 8-bit cache: one scale per (head, token)
             k = k * k_scale[blocks].transpose(0, 1).reshape(Hkv, -1)[:, :seq_len].unsqueeze(-1)

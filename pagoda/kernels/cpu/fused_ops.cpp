@@ -208,7 +208,8 @@ void quantize_row(const S* x, int64_t D, at::ScalarType fmt, uint8_t* dst, float
 }
 
 // Write each token's K and V (read from the fused qkv row) into its cache slot.
-// k_cache/v_cache: [num_blocks, Hkv, block_size, D]; slot = block * block_size + offset.
+// k_cache/v_cache: [num_blocks, Hkv, block_size, D]; slot = block * block_size + offset. A bf16 K cache may
+// be stored as words, [num_blocks, Hkv, D/2, block_size, 2] (paged_attention.cpp says why).
 // With k_scale/v_scale ([num_blocks, Hkv, block_size] fp32) the caches are 8-bit (int8 or fp8)
 // and each (token, head) row is quantized on the way in.
 void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -218,7 +219,12 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: caches must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "write_kv: slots int64");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "write_kv: k and v dtypes differ");
-  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), bs = k_cache.size(2);
+  const bool k_words = k_cache.dim() == 5;
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), bs = v_cache.size(2);
+  TORCH_CHECK(v_cache.dim() == 4 && v_cache.size(1) == H && v_cache.size(3) == D, "write_kv: v_cache must be [N, Hkv, bs, D]");
+  TORCH_CHECK(!k_words || (k_cache.scalar_type() == at::kBFloat16 && !k_scale.has_value() && k_cache.size(2) * 2 == D &&
+                           k_cache.size(3) == bs && k_cache.size(4) == 2),
+              "write_kv: K words must be bf16 [num_blocks, Hkv, D/2, block_size, 2]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   if (k_scale.has_value()) {
     TORCH_CHECK(v_scale.has_value(), "write_kv: k_scale without v_scale");
@@ -258,7 +264,13 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
     const int64_t blk = slots[t] / bs, off = slots[t] % bs;
     for (int64_t h = 0; h < H; ++h) {
       const int64_t dst = ((blk * H + h) * bs + off) * D * es;
-      std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * es, row_bytes);
+      const char* ksrc = kp + (t * k.stride(0) + h * k.stride(1)) * es;
+      if (k_words) {  // word d2 of this key sits at [blk, h, d2, off]: block_size words apart
+        uint32_t* kw = reinterpret_cast<uint32_t*>(kc + (blk * H + h) * bs * D * es) + off;
+        for (int64_t d2 = 0; d2 < D / 2; ++d2) std::memcpy(kw + d2 * bs, ksrc + d2 * 4, 4);
+      } else {
+        std::memcpy(kc + dst, ksrc, row_bytes);
+      }
       std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes);
     }
   }

@@ -5,10 +5,9 @@
 // group. Keys are processed in chunks of KC keys gathered through the block table;
 // scores use an online (flash-attention style) softmax in fp32.
 //
-// A bf16 cache (with AVX512-BF16) is multiplied by bf16 dot products (vdpbf16ps, fp32 sums): scores
-// straight from the cache rows for items of up to 8 rows (decode), from K staged as pairs for more
-// (prefill), and P rounded to bf16 times V rows read in place. fp32 and 8-bit caches stage each chunk
-// in fp32 and use fp32 FMAs.
+// A bf16 cache with K stored as words (with AVX512-BF16) is multiplied by bf16 dot products (vdpbf16ps,
+// fp32 sums): scores straight from the K words, and P rounded to bf16 times V rows, both read in place.
+// fp32, 8-bit and row-major bf16 caches stage each chunk in fp32 and use fp32 FMAs.
 //
 // Only light ATen headers are included: <torch/extension.h> costs ~30 s of compile
 // time versus ~6 s for these. The op is registered through TORCH_LIBRARY (no
@@ -244,56 +243,19 @@ inline void row_to_f32(const C* src, float* dst, int64_t D) {
 #endif
 
 #if defined(__AVX512BF16__)
-// 16 vectors -> one vector of their 16 lane sums (out[j] = sum of v[j]): pairs of vectors interleaved and
-// added, then quads, then 128-bit lanes. 45 shuffles and adds where 16 separate reductions take ~130.
-inline __m512 sum16(__m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)  // lane L of 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3] for keys 2i, 2i+1
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // lane L: keys 4i..4i+3, each summed over that lane's 4 floats
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Few-row steps over a bf16 cache (decode): S[r][j] = scale * q_r . k_j straight from the cache rows,
-// bf16 products summed in fp32 (vdpbf16ps), with no staging of K. Staging a chunk of K once for all rows
-// of a work item (qk_pairs_tile) pays off only when there are many rows (prefill); a decode item has one
-// query's G heads.
-inline void qk_bf16(const uint16_t* const* qrows, int rows, const uint16_t* const* krows, int64_t D,
-                    float scale, float* __restrict s) {
-  for (int r = 0; r < rows; ++r) {
-    const uint16_t* q = qrows[r];
-    for (int g = 0; g < KC; g += 16) {
-      __m512 v[16];
-      for (int j = 0; j < 16; ++j) {
-        const uint16_t* k = krows[g + j];
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 32)
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
-        v[j] = acc;
-      }
-      _mm512_storeu_ps(s + r * KC + g, _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale)));
-    }
-  }
-}
-
-// Many-row items over a bf16 cache: S[R][KC] = scale * Q @ K^T with K staged as pairs of d per key,
-// kp[d/2][j] = (k_j[d], k_j[d+1]) as one 32-bit word, so one vdpbf16ps adds two products for 16 keys.
-// Staging is a 32-bit transpose of the raw rows: no conversion, and half the transposes of fp32 staging.
+// S[R][KC] = scale * Q @ K^T over a bf16 cache whose K is stored as words (see paged_attention_cpu):
+// k0[d2 * ld + j] = (k_j[2 d2], k_j[2 d2 + 1]) for keys 0..15 of the chunk, k1 the same for keys 16..31.
+// One load gives a pair of d for 16 keys and one vdpbf16ps per row adds both products: no horizontal
+// sums (row-major keys need a 16-way reduction per 16 scores, which cost more than the dot products)
+// and no staging.
 template <int R>
-inline void qk_pairs_tile(const uint16_t* const* qrows, const uint32_t* __restrict kp, int64_t D, float scale,
-                          float* __restrict s) {
+inline void qk_pairs_tile(const uint16_t* const* qrows, const uint32_t* __restrict k0p, const uint32_t* __restrict k1p,
+                          int64_t ld, int64_t D, float scale, float* __restrict s) {
+  static_assert(KC == 32, "two groups of 16 keys per chunk");
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t d2 = 0; d2 < D / 2; ++d2) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + d2 * KC), k1 = (__m512bh)_mm512_loadu_si512(kp + d2 * KC + 16);
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k0p + d2 * ld), k1 = (__m512bh)_mm512_loadu_si512(k1p + d2 * ld);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qrows[r] + 2 * d2));
@@ -313,17 +275,17 @@ template <int R> struct QKP { template <typename... A> static void run(A... a) {
 // attention does): two keys' rows are interleaved into (v_j[d], v_j+1[d]) pairs, so one vdpbf16ps adds
 // both keys' terms for 16 values of d. The interleave runs within 128-bit lanes, so O holds each group of
 // 32 values of d permuted (see pv_unpermute); pb: P as bf16, rows KC apart.
-template <int R>
-inline void pv_bf16_tile(const uint16_t* __restrict pb, const uint16_t* const* vrows, int nk, int64_t D,
-                         float* __restrict o) {
+template <int R, class VRow>
+inline void pv_bf16_tile(const uint16_t* __restrict pb, VRow vrow, int nk, int64_t D, float* __restrict o) {
   for (int64_t d = 0; d < D; d += 32) {
     __m512 lo[R], hi[R];
     for (int r = 0; r < R; ++r) {
       lo[r] = _mm512_loadu_ps(o + r * D + d);
       hi[r] = _mm512_loadu_ps(o + r * D + d + 16);
     }
-    for (int j = 0; j < nk; j += 2) {  // an odd nk pairs its last key with a padding key (zeros, p = 0)
-      const __m512i a = _mm512_loadu_si512(vrows[j] + d), b = _mm512_loadu_si512(vrows[j + 1] + d);
+    for (int j = 0; j < nk; j += 2) {  // an odd nk pairs its last key with zeros (p is 0 there too)
+      const __m512i a = _mm512_loadu_si512(vrow(j) + d);
+      const __m512i b = j + 1 < nk ? _mm512_loadu_si512(vrow(j + 1) + d) : _mm512_setzero_si512();
       const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -342,14 +304,14 @@ inline void pv_bf16_tile(const uint16_t* __restrict pb, const uint16_t* const* v
 // Where pv_bf16_tile keeps d within its group of 32: 128-bit lane L of the unpacks holds d = 8L + 0..3
 // (first 16 floats) and 8L + 4..7 (next 16). The permutex2var index over (first, next) that puts
 // d = base..base+15 back in order.
-inline __m512i pv_unpermute(int base) {
-  alignas(64) int32_t idx[16];
-  for (int i = 0; i < 16; ++i) {
-    const int d = base + i;
-    idx[i] = 16 * ((d % 8) / 4) + 4 * (d / 8) + d % 4;
+struct PvUnpermute {
+  alignas(64) int32_t idx[2][16];
+  constexpr PvUnpermute() : idx() {
+    for (int d = 0; d < 32; ++d) idx[d / 16][d % 16] = 16 * ((d % 8) / 4) + 4 * (d / 8) + d % 4;
   }
-  return _mm512_load_si512(idx);
-}
+};
+constexpr PvUnpermute kPvUnpermute;
+inline __m512i pv_unpermute(int base) { return _mm512_load_si512(kPvUnpermute.idx[base / 16]); }
 template <int R> struct PVB { template <typename... A> static void run(A... a) { pv_bf16_tile<R>(a...); } };
 constexpr bool kBf16Dot = true;
 #else
@@ -380,6 +342,7 @@ struct WorkItem {
 struct Args {
   int64_t Hq, Hkv, G, D, block_size, bt_stride;
   int64_t kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2;  // cache strides (inner dim contiguous)
+  bool k_words;  // K as [num_blocks, Hkv, D/2, block_size, 2] (bf16; see paged_attention_cpu)
   const int32_t* block_tables;
   const int32_t* qsl;
   const int32_t* seq_lens;
@@ -392,13 +355,34 @@ struct Args {
 struct Scratch {
   std::vector<float> q, s, o, kt, kr, vbuf, m, l, zeros;
   std::vector<const float*> vrows;
-  std::vector<uint16_t> zeros16, pb;                // bf16 caches: rows read through pointers, P in bf16
-  std::vector<const uint16_t*> qrows16, krows16, vrows16;
-  std::vector<uint32_t> kp;                          // K as pairs of d per key (qk_pairs_tile)
+  std::vector<uint16_t> pb;  // bf16 caches: P in bf16
+  std::vector<const uint16_t*> qrows16;
   Scratch(int64_t rows, int64_t D)
       : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), kr(KC * D), vbuf(KC * D), m(rows), l(rows * W),
-        zeros(D, 0.f), vrows(KC), zeros16(D, 0), pb(rows * KC), qrows16(rows), krows16(KC), vrows16(KC), kp(D / 2 * KC) {}
+        zeros(D, 0.f), vrows(KC), pb(rows * KC), qrows16(rows) {}
 };
+
+// Requests keys [from, to) of one kv head into L2: a sequence's blocks lie anywhere in the pool, so the
+// hardware prefetcher loses the stream at every block. Rows within a block are contiguous, so each run of
+// keys in one block is one address range (K words: the block's whole tile for the head). Into L2: the
+// L1 is too small to hold a chunk ahead next to the one being read.
+template <typename C>
+inline void prefetch_keys(const Args& a, const C* kc, const C* vc, const int32_t* bt, int64_t kv_head, int64_t from,
+                          int64_t to) {
+#if defined(__AVX512F__)
+  const int64_t bs = a.block_size;
+  for (int64_t pos = from; pos < to;) {
+    const int64_t blk = bt[pos / bs], off = pos % bs, n = std::min(to - pos, bs - off);
+    const char* kr = reinterpret_cast<const char*>(kc + blk * a.kc_s0 + kv_head * a.kc_s1 + (a.k_words ? 0 : off * a.kc_s2));
+    const char* vr = reinterpret_cast<const char*>(vc + blk * a.vc_s0 + kv_head * a.vc_s1 + off * a.vc_s2);
+    const int64_t kbytes = (a.k_words ? a.D * bs : (n - 1) * a.kc_s2 + a.D) * static_cast<int64_t>(sizeof(C));
+    const int64_t vbytes = ((n - 1) * a.vc_s2 + a.D) * static_cast<int64_t>(sizeof(C));
+    for (int64_t b = 0; b < kbytes; b += 64) _mm_prefetch(kr + b, _MM_HINT_T1);
+    for (int64_t b = 0; b < vbytes; b += 64) _mm_prefetch(vr + b, _MM_HINT_T1);
+    pos += n;
+  }
+#endif
+}
 
 // T: the dtype of q and out; C: the cache element (T itself, or an 8-bit tag).
 template <typename T, typename C>
@@ -416,9 +400,8 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   const float* lut = nullptr;
   if constexpr (kQuantized<C>) lut = decode_table<C>();
 
-  // Over a bf16 cache, V rows are read in place (pv_bf16_tile), and K too for a few rows (qk_bf16); many
-  // rows stage K as pairs (qk_pairs_tile).
-  const bool bf16_cache = kBf16Dot && std::is_same<C, c10::BFloat16>::value && D % 32 == 0;
+  // A bf16 cache with K words is read in place: K by qk_pairs_tile, V rows by pv_bf16_tile.
+  const bool bf16_cache = kBf16Dot && std::is_same<C, c10::BFloat16>::value && a.k_words;
   // Row r = (query i, head h of the group) with r = i * G + h; pre-scale Q (bf16 caches scale S).
   float* Q = sc.q.data();
   for (int64_t i = 0; i < nq; ++i)
@@ -441,52 +424,34 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   float* Kt = sc.kt.data();
   const float** vrows = sc.vrows.data();
 
+  // Over a bf16 cache both groups of 16 keys of a chunk lie within one block each (block_size % 16 == 0):
+  // K words start at kw[g], V row j is vseg[j / 16] + (j % 16) * stride. No table of row pointers (a
+  // block lookup per key cost as much as the chunk's dot products).
+  const uint32_t* kw[KC / 16];
+  const uint16_t* vseg[KC / 16];
+  const int64_t vs2 = a.vc_s2;
+  const auto vrow_seg = [&](int j) { return vseg[j >> 4] + (j & 15) * vs2; };
+
   for (int64_t c0 = 0; c0 < kv_end; c0 += KC) {
     const int nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0));
 #if defined(__AVX512F__)
-    // Request the next chunk's K and V rows now: a sequence's blocks lie anywhere in the pool, so the
-    // hardware prefetcher loses the stream at every block, and decode steps read the whole context
-    // from memory (measured: a layer of 20 sequences x 200 keys took 350 us cold against 180 us hot).
-    BlockWalk ahead(bt, bs, c0 + KC);
-    for (int64_t pos = c0 + KC, end = std::min<int64_t>(kv_end, c0 + 2 * KC); pos < end; ++pos, ahead.next()) {
-      const int64_t blk = ahead.block(), off = ahead.off;
-      const char* kr = reinterpret_cast<const char*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2);
-      const char* vr = reinterpret_cast<const char*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
-      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
-        _mm_prefetch(kr + b, _MM_HINT_T0);
-        _mm_prefetch(vr + b, _MM_HINT_T0);
-      }
-    }
+    if (c0 == 0) prefetch_keys(a, kc, vc, bt, it.kv_head, 0, std::min<int64_t>(kv_end, KC));
+    prefetch_keys(a, kc, vc, bt, it.kv_head, c0 + KC, std::min<int64_t>(kv_end, c0 + 2 * KC));
 #endif
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
-      BlockWalk walk(bt, bs, c0);
-      for (int j = 0; j < KC; ++j, walk.next()) {  // padding keys point at zeros (the cache may hold NaN); masked
-        if (j >= nk) {
-          sc.krows16[j] = sc.vrows16[j] = sc.zeros16.data();
-          continue;
-        }
-        const int64_t blk = walk.block(), off = walk.off;
-        sc.krows16[j] = reinterpret_cast<const uint16_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2);
-        sc.vrows16[j] = reinterpret_cast<const uint16_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
+      // A group past nk repeats the first: its keys are masked, and no block past the sequence is touched.
+      // Keys past nk within a group are whatever the block holds: masked in S, and PV stops at nk.
+      for (int g = 0; g < KC / 16; ++g) {
+        const int64_t pos = c0 + 16 * std::min(g, (nk - 1) / 16), blk = bt[pos / bs], off = pos % bs;
+        kw[g] = reinterpret_cast<const uint32_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1) + off;
+        vseg[g] = reinterpret_cast<const uint16_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * vs2);
       }
-      if (rows <= RB) {
-        qk_bf16(sc.qrows16.data(), static_cast<int>(rows), sc.krows16.data(), D, a.scale, S);
-      } else {
-        uint32_t* kp = sc.kp.data();
-        const int64_t D2 = D / 2;
-        for (int jb = 0; jb < KC; jb += 16)  // 16 keys x 16 words -> kp[d2][jb + j]
-          for (int64_t db = 0; db < D2; db += 16) {
-            alignas(64) uint32_t rows16[16 * 16];
-            for (int j = 0; j < 16; ++j)
-              std::memcpy(rows16 + j * 16, sc.krows16[jb + j] + 2 * db, 64);
-            transpose16x16(reinterpret_cast<const float*>(rows16), 16, reinterpret_cast<float*>(kp + db * KC + jb), KC);
-          }
-        for (int64_t r0 = 0; r0 < rows; r0 += RB)
-          dispatch_rows<QKP>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
-                             static_cast<const uint16_t* const*>(sc.qrows16.data() + r0),
-                             static_cast<const uint32_t*>(kp), D, a.scale, S + r0 * KC);
-      }
+      for (int64_t r0 = 0; r0 < rows; r0 += RB)
+        dispatch_rows<QKP>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
+                           static_cast<const uint16_t* const*>(sc.qrows16.data() + r0),
+                           static_cast<const uint32_t*>(kw[0]), static_cast<const uint32_t*>(kw[1]), bs, D, a.scale,
+                           S + r0 * KC);
     } else
 #endif
     {
@@ -591,8 +556,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
                                                                       _mm512_loadu_ps(S + r * KC)));
       for (int64_t r0 = 0; r0 < rows; r0 += RB)
         dispatch_rows<PVB>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
-                           static_cast<const uint16_t*>(pb + r0 * KC),
-                           static_cast<const uint16_t* const*>(sc.vrows16.data()), nk, D, O + r0 * D);
+                           static_cast<const uint16_t*>(pb + r0 * KC), vrow_seg, nk, D, O + r0 * D);
       continue;
     }
 #endif
@@ -648,7 +612,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                double scale, const c10::optional<at::Tensor>& k_scale,
                                const c10::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  // K is [num_blocks, Hkv, block_size, D] like V, or, for bf16 caches (kernels/paged_attention.py:
+  // k_cache_shape), [num_blocks, Hkv, D/2, block_size, 2]: words of two d for consecutive keys, so one
+  // 64-byte load holds a pair of d for 16 keys, as vdpbf16ps takes them.
+  const bool k_words = k_cache.dim() == 5;
+  TORCH_CHECK(q.dim() == 3 && (k_cache.dim() == 4 || k_words) && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
   const at::ScalarType cache_t = k_cache.scalar_type();
   const bool quant = k_scale.has_value();
@@ -666,19 +634,28 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   } else {
     TORCH_CHECK(cache_t == q.scalar_type(), "q, k_cache and v_cache must share a dtype");
   }
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache inner dim must be contiguous");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k/v cache shapes differ");
+  TORCH_CHECK(k_cache.stride(-1) == 1 && v_cache.stride(3) == 1, "cache inner dim must be contiguous");
+  if (k_words) {
+    TORCH_CHECK(kBf16Dot && cache_t == at::kBFloat16 && !quant, "K words need a bf16 cache and AVX512-BF16");
+    TORCH_CHECK(k_cache.is_contiguous() && k_cache.size(4) == 2 && k_cache.size(0) == v_cache.size(0) &&
+                    k_cache.size(1) == v_cache.size(1) && k_cache.size(2) * 2 == v_cache.size(3) &&
+                    k_cache.size(3) == v_cache.size(2) && v_cache.size(2) % 16 == 0 && v_cache.size(3) % 32 == 0,
+                "K words must be [num_blocks, Hkv, D/2, block_size, 2] with block_size % 16 == 0, D % 32 == 0");
+  } else {
+    TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k/v cache shapes differ");
+  }
   for (const at::Tensor* t : {&block_tables, &query_start_loc, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1, "index tensors must be int32");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && D % W == 0, "head dim must match and be a multiple of ", W);
+  TORCH_CHECK(v_cache.size(3) == D && D % W == 0, "head dim must match and be a multiple of ", W);
   TORCH_CHECK(Hq % Hkv == 0, "Hq must be a multiple of Hkv");
   const int64_t B = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) >= B, "batch size mismatch");
 
   Args a;
-  a.Hq = Hq; a.Hkv = Hkv; a.G = Hq / Hkv; a.D = D; a.block_size = k_cache.size(2);
+  a.Hq = Hq; a.Hkv = Hkv; a.G = Hq / Hkv; a.D = D; a.block_size = v_cache.size(2);
+  a.k_words = k_words;
   a.bt_stride = block_tables.stride(0);
   a.kc_s0 = k_cache.stride(0); a.kc_s1 = k_cache.stride(1); a.kc_s2 = k_cache.stride(2);
   a.vc_s0 = v_cache.stride(0); a.vc_s1 = v_cache.stride(1); a.vc_s2 = v_cache.stride(2);
