@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +230,26 @@ def test_fused_rope_cache_attention_equals_the_three_ops(dtype, kv_dtype, words)
     torch.testing.assert_close(k_cache, kc2, **exact)
     torch.testing.assert_close(v_cache, vc2, **exact)
     torch.testing.assert_close(fused, ref.reshape(T, hq * d), atol=0, rtol=0)
+
+
+@needs_kernel
+def test_attention_bench_runs(capsys):
+    """`python -m pagoda.bench.attention`: the step it times is the engine's kernel over the engine's layout."""
+    from pagoda.bench.attention import main
+
+    assert main(["--num-seqs", "4", "--layers", "2", "--rounds", "1", "--ctx-range", "10", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "4 sequences" in out and "pagoda" in out and "GB/s" in out
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_attention_bench_builds_another_source(capsys):
+    """--compare-source builds a paged_attention.cpp under another namespace (the current one, here: K as rows
+    takes its fp32-staging path, so the outputs agree to bf16 rounding)."""
+    from pagoda.bench.attention import main
+
+    src = Path(pa.__file__).parent / "cpu" / "paged_attention.cpp"
+    assert main(["--num-seqs", "4", "--layers", "2", "--rounds", "1", "--compare-source", str(src)]) == 0
+    diff = float(re.search(r"outputs differ by <= (\S+)\)", capsys.readouterr().out).group(1))
+    assert diff < 1e-2

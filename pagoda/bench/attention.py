@@ -1,0 +1,113 @@
+"""Time decode attention the way a step meets it: `python -m pagoda.bench.attention [--compare-source FILE]`.
+
+A batch of decode queries (one per sequence, context lengths drawn log-uniformly, SmolLM2's 9/3 heads of
+64) runs over every one of `--layers` layers' own paged caches, so the caches are cold in the CPU's caches
+as in a real step (`--hot`: one layer's caches every time, which then stay in L3). The cache takes the
+layout the engine allocates (kernels/paged_attention.py k_cache_shape). Milliseconds per step and the rate
+of K/V bytes read.
+
+`--compare-source FILE` builds another version of cpu/paged_attention.cpp (e.g. an earlier commit's:
+`git show REV:pagoda/kernels/cpu/paged_attention.cpp > FILE`) as a second extension, registered under
+another op namespace, gives it K as rows, and alternates calls between the two kernels in this process,
+so the machine's drift hits both alike.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagoda.kernels.cpu_extension import _CFLAGS, _LDFLAGS, build_directory, kernel_available
+from pagoda.kernels.paged_attention import k_cache_shape, k_words
+
+_CPU_SOURCES = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+
+
+def load_other_kernel(source: Path) -> object:
+    """`source` (a paged_attention.cpp) built with the engine's flags under the op namespace pagoda_cmp."""
+    from torch.utils import cpp_extension
+
+    text = source.read_text()
+    text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)\(pagoda,", r"TORCH_LIBRARY\1(pagoda_cmp,", text)
+    text = text.replace("namespace pagoda_cpu {", "namespace pagoda_cpu_cmp {")
+    out = build_directory().parent / "attention_cmp"
+    out.mkdir(parents=True, exist_ok=True)
+    src = out / "paged_attention_cmp.cpp"
+    if not src.exists() or src.read_text() != text:
+        src.write_text(text)
+    cpp_extension.load(name="pagoda_attention_cmp", sources=[str(src)], extra_cflags=[*_CFLAGS, f"-I{_CPU_SOURCES}"],
+                       extra_ldflags=_LDFLAGS, build_directory=str(out), is_python_module=False, verbose=False)
+    return torch.ops.pagoda_cmp.paged_attention
+
+
+def decode_batch(num_seqs: int, min_ctx: int, max_ctx: int, layers: int, block_size: int, seed: int = 0):
+    """Queries, per-layer K (as rows) and V caches, block tables (blocks shuffled in the pool) and lengths."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d = 9, 3, 64
+    u = torch.rand(num_seqs, generator=g)
+    ctxs = [int(math.exp(math.log(min_ctx) + float(x) * (math.log(max_ctx) - math.log(min_ctx)))) for x in u]
+    nblk = [(c + block_size - 1) // block_size for c in ctxs]
+    num_blocks = sum(nblk) + 8
+    k = [torch.randn(num_blocks, hkv, block_size, d, generator=g).bfloat16() for _ in range(layers)]
+    v = [torch.randn(num_blocks, hkv, block_size, d, generator=g).bfloat16() for _ in range(layers)]
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(num_seqs, max(nblk), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = perm[used:used + n].int()
+        used += n
+    q = torch.randn(num_seqs, hq, d, generator=g).bfloat16()
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+    return q, k, v, tables, qsl, torch.tensor(ctxs, dtype=torch.int32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--ctx-range", type=int, nargs=2, default=(46, 286), metavar=("MIN", "MAX"))
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--hot", action="store_true", help="one layer's caches every time (they stay in L3)")
+    p.add_argument("--compare-source", type=Path, default=None, metavar="FILE")
+    args = p.parse_args(argv)
+    if not kernel_available():
+        raise SystemExit("the C++ kernels did not build")
+    q, k, v, tables, qsl, lens = decode_batch(args.num_seqs, *args.ctx_range, args.layers, args.block_size)
+    shape = k_cache_shape(*k[0].shape, torch.bfloat16)
+    kw = [k_words(t) for t in k] if len(shape) == 5 else k
+    if args.hot:
+        k, kw, v = [k[0]] * args.layers, [kw[0]] * args.layers, [v[0]] * args.layers
+    kernels = {"pagoda": (torch.ops.pagoda.paged_attention, kw)}
+    if args.compare_source is not None:
+        kernels[f"other ({args.compare_source.name})"] = (load_other_kernel(args.compare_source), k)
+    scale = 64 ** -0.5
+    outs = {name: op(q, ks[0], v[0], tables, qsl, lens, scale) for name, (op, ks) in kernels.items()}
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(args.rounds):
+        for name, (op, ks) in kernels.items():
+            t0 = time.perf_counter()
+            for layer in range(args.layers):
+                op(q, ks[layer], v[layer], tables, qsl, lens, scale)
+            times[name].append(time.perf_counter() - t0)
+    kv_bytes = int(lens.sum()) * 3 * 64 * 2 * 2 * args.layers
+    print(f"decode attention: {args.num_seqs} sequences, {int(lens.sum())} keys, {args.layers} layers "
+          f"({'hot' if args.hot else 'cold'}), K/V {kv_bytes / 1e6:.0f} MB a step, K layout {list(shape)}")
+    base = statistics.median(times["pagoda"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        line = f"  {name:28s} median {med * 1e3:7.2f} ms  min {min(ts) * 1e3:7.2f} ms  {kv_bytes / med / 1e9:5.1f} GB/s"
+        if name != "pagoda":
+            diff = (outs[name].float() - outs["pagoda"].float()).abs().max().item()
+            line += f"  pagoda / this: {med / base:.2f}x faster (outputs differ by <= {diff:.1e})"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
