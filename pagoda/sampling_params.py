@@ -1,7 +1,11 @@
 """SamplingParams: what a request asks of the sampler (vLLM's names and defaults)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Integers the engine hands to torch must fit int64 (seeds: torch.Generator's signed range).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
@@ -43,10 +47,25 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
+        """Reject what no engine can run: wrong types, non-finite floats, out-of-range integers.
+
+        Limits that depend on the model or the engine (vocabulary ids, n against max_num_seqs, the
+        context length) are checked by LLMEngine.add_request.
+        """
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not INT64_MIN <= value <= INT64_MAX):
+                raise bad(name, "must be a 64-bit integer")
+        if self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:
             raise bad("temperature", "must be non-negative")
@@ -72,5 +91,8 @@ class SamplingParams:
             raise bad("logprobs", "must be non-negative")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", "must be non-negative")
-        if any(not s for s in self._stop):
-            raise ValueError("stop strings must be non-empty")
+        assert self.stop_token_ids is not None  # a list after __post_init__
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if any(not isinstance(s, str) or not s for s in self._stop):
+            raise ValueError("stop strings must be non-empty strings")

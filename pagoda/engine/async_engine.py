@@ -59,6 +59,10 @@ class EngineDeadError(RuntimeError):
     """The engine has shut down (or its worker died); no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (logged server-side); other requests go on."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -82,6 +86,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # touched by the worker only (after the add command)
         self._num_pending_adds = 0
         self._stopping = False
+        self._deadline: float | None = None  # monotonic time at which draining aborts what is left
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
@@ -106,13 +111,25 @@ class AsyncEngine:
         """Requests not yet scheduled: queued in the scheduler or still in the command queue."""
         return self.stats.num_waiting + self._num_pending_adds
 
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, let in-flight ones finish for up to `timeout` s, abort the rest, stop."""
+    def begin_shutdown(self, timeout: float) -> None:
+        """Stop taking requests now; the worker aborts whatever is still in flight `timeout` s from now.
+
+        Thread-safe and idempotent (a second call never extends the deadline). The server calls it as
+        soon as SIGTERM arrives, so the drain takes `timeout` once, whichever handlers are still waiting.
+        """
         with self._cond:
             self._stopping = True
+            deadline = time.monotonic() + max(0.0, timeout)
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
             self._cond.notify_all()
-        deadline = time.monotonic() + timeout
-        while self.num_in_flight and time.monotonic() < deadline:
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `timeout` s, abort the rest, stop."""
+        self.begin_shutdown(timeout)
+        assert self._deadline is not None
+        # The worker aborts at the deadline; allow it a moment to deliver those errors.
+        while self.num_in_flight and time.monotonic() < self._deadline + 1.0 and self._thread is not None \
+                and self._thread.is_alive():
             await asyncio.sleep(0.05)
         with self._cond:
             # The worker aborts whatever is left once it sees this; then it exits.
@@ -209,6 +226,8 @@ class AsyncEngine:
                     commands, self._commands = self._commands, []
                 if self._handle_commands(commands):
                     return
+                if self._deadline is not None and time.monotonic() >= self._deadline and self._streams:
+                    self._abort_all("the server shut down before the request finished (drain timeout)")
                 if self.engine.has_unfinished_requests():
                     self._step()
                 elif self._stopping and not self._commands:
@@ -251,10 +270,7 @@ class AsyncEngine:
             elif kind == "reset_prefix_cache":
                 self.engine.reset_prefix_cache()
             elif kind == "shutdown":
-                for rid in list(self._streams):
-                    self.engine.abort_request(rid)
-                self._fail_all(EngineDeadError("server shut down before the request finished"))
-                self._publish_stats()
+                self._abort_all("the server shut down before the request finished")
                 return True
         if commands:
             self._publish_stats()
@@ -266,17 +282,24 @@ class AsyncEngine:
             self._num_pending_adds -= 1
         stream.loop.call_soon_threadsafe(_reject, accepted, error)
 
+    def _abort_all(self, reason: str) -> None:
+        for rid in list(self._streams):
+            self.engine.abort_request(rid)
+        self._fail_all(EngineDeadError(reason))
+        self._publish_stats()
+
     def _step(self) -> None:
         try:
+            # step() fails the requests a failure belongs to and returns; reaching the handler below
+            # means a bug in the engine's own recovery.
             outputs = self.engine.step()
-        except Exception as e:
-            # A bug or a bad state in one step must not take the server down: fail the requests that
-            # were in flight (their KV is released by abort) and keep serving new ones.
+        except Exception:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
             for rid in list(self._streams):
                 with contextlib.suppress(Exception):
                     self.engine.abort_request(rid)
-            self._fail_all(e)
+            # Never another request's error text: that would leak one tenant's input to the others.
+            self._fail_all(RequestFailedError("internal error in the engine step"))
             self._publish_stats()
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
@@ -289,7 +312,10 @@ class AsyncEngine:
             generated += num - stream.num_tokens
             stream.num_tokens = num
             items = by_loop.setdefault(stream.loop, [])
-            items.append((stream.queue, out))
+            if out.error is not None:  # the engine failed this request alone
+                items.append((stream.queue, RequestFailedError(out.error)))
+            else:
+                items.append((stream.queue, out))
             if out.finished:
                 del self._streams[out.request_id]
                 items.append((stream.queue, _FINISHED))

@@ -4,7 +4,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -14,16 +16,18 @@ from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request import Request, Sequence
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.layers.sampler import Sampler, SamplingBatch
+from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import resolve_model_files
-from pagoda.model.tokenizer import load_tokenizer
-from pagoda.outputs import RequestOutput
+from pagoda.model.tokenizer import iter_strings, load_tokenizer
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_NORMALIZER_SLACK = 2
 
 
 @dataclass
@@ -48,7 +52,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's context "
                              f"{self.args.max_position_embeddings}")
         self.runner = ModelRunner(config, self.files, self.args, self.dtype)
-        num_blocks = config.cache.pool_bytes() // self.runner.kv_bytes_per_block()
+        # Enough blocks for every sequence at full context, capped by free RAM (CacheConfig.pool_bytes).
+        blocks_wanted = sched_cfg.max_num_seqs * -(-self.max_model_len // config.cache.block_size)
+        num_blocks = config.cache.pool_bytes(self.runner.kv_bytes_per_block(), blocks_wanted) \
+            // self.runner.kv_bytes_per_block()
         self.runner.allocate_kv_cache(num_blocks)
         # The prefix cache's hash root covers what changes the KV: the model file and the KV dtype.
         namespace = f"{self.files.source}|{self.dtype}|kv={config.cache.kv_cache_dtype}|q={config.quantization}"
@@ -63,9 +70,10 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
             self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self)
-        logger.info("KV pool: %d blocks of %d tokens (%.0f MiB), dtype %s, kv_cache_dtype %s", num_blocks,
-                    config.cache.block_size, num_blocks * self.runner.kv_bytes_per_block() / 2**20, self.dtype,
-                    config.cache.kv_cache_dtype)
+        logger.info("KV pool: %d blocks of %d tokens (%.0f MiB; %d wanted for %d seqs x %d tokens), dtype %s, "
+                    "kv_cache_dtype %s", num_blocks, config.cache.block_size,
+                    num_blocks * self.runner.kv_bytes_per_block() / 2**20, blocks_wanted, sched_cfg.max_num_seqs,
+                    self.max_model_len, self.dtype, config.cache.kv_cache_dtype)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -75,13 +83,15 @@ class LLMEngine:
         params.validate()
         if isinstance(prompt, str):
             text: str | None = prompt
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
-        if any(t < 0 or t >= self.args.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.args.vocab_size})")
+        vocab = self.args.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self._check_limits(params)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, but the model's context (max_model_len) is "
                              f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens")
@@ -105,6 +115,37 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])
         self.requests[rid] = req
         return req
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids. Thread-safe. A text too long to fit max_model_len whatever its tokens
+        are is refused before it is tokenized, so a huge prompt costs a length check, not seconds."""
+        self._check_length(len(prompt))
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's token ids through the chat template (message text never makes control tokens)."""
+        self._check_length(sum(len(t) for t in iter_strings(messages)))
+        return self.tokenizer.encode_chat(messages, add_generation_prompt)
+
+    def _check_length(self, num_chars: int) -> None:
+        # No token is longer than max_token_bytes; the slack covers normalizers that shrink text (NFKC).
+        limit = (self.max_model_len - 1) * self.tokenizer.max_token_bytes * _NORMALIZER_SLACK
+        if num_chars > limit:
+            raise ValueError(f"prompt is too long: {num_chars} characters cannot fit the model's context "
+                             f"(max_model_len {self.max_model_len} tokens)")
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """The parts of a request's validity that depend on this model and engine."""
+        vocab, max_seqs = self.args.vocab_size, self.config.scheduler.max_num_seqs
+        if params.n > max_seqs:
+            # The n samples run side by side, forked from one prompt: they must fit one step.
+            raise ValueError(f"n must be at most max_num_seqs ({max_seqs}), got {params.n}")
+        if any(t >= vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size ({vocab}), got {value}")
 
     def _new_sequence(self, req: Request, token_ids: list[int]) -> Sequence:
         index = len(req.seqs)
@@ -137,7 +178,27 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return outputs of every request that changed (finished ones last time)."""
+        """Run one engine step; return outputs of every request that changed (finished ones last time).
+
+        Never raises for a request's sake. A failure that belongs to one request (its prompt logprobs,
+        sampling row or output processing) finishes that request alone with finish_reason "error"; one
+        that cannot be attributed (scheduling, the forward pass) fails the requests of this step, and the
+        engine goes on with the rest.
+        """
+        self._step_seqs: list[Sequence] | None = None
+        try:
+            return self._step()
+        except Exception:
+            seqs = self._step_seqs
+            if seqs is None:  # failed before scheduling: the running set, else the queue's head
+                seqs = list(self.scheduler.running) or list(self.scheduler.waiting)[:1]
+            reqs = {s.request.request_id: s.request for s in seqs}
+            logger.exception("engine step failed; failing its %d request(s): %s", len(reqs), ", ".join(reqs))
+            for req in reqs.values():
+                self._fail_request(req)
+            return [self._final_output(req) for req in reqs.values()]
+
+    def _step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
         if self.speculator is not None:  # proposals first: the scheduler budgets and allocates for them
             self.speculator.propose(self.scheduler, self.max_model_len)
@@ -146,6 +207,7 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler is stuck: a waiting request cannot get KV blocks")
             return []
+        self._step_seqs = list(sched.seqs)
         now = time.time()
         for seq in sched.seqs:
             m = seq.request.metrics
@@ -154,35 +216,35 @@ class LLMEngine:
         t_fwd = time.perf_counter()
         out = self.runner.execute(sched, self.kv.block_tables)
         t_fwd = time.perf_counter() - t_fwd
-        self._record_prompt_logprobs(sched, out.prompt_logits)
+        touched: dict[str, Request] = {}
+        self._record_prompt_logprobs(sched, out.prompt_logits, touched)
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
-            if row in out.spec_logits:
+            if row in out.spec_logits or seq.finished:
                 continue  # speculative rows advance (and cache blocks) only after acceptance, below
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
-        rows = self._fork_parallel_samples(sched, out.sample_rows)
-        touched: dict[str, Request] = {}
+        rows = [(s, r) for s, r in self._fork_parallel_samples(sched, out.sample_rows) if not s.finished]
         if rows:
             seqs = [s for s, _ in rows]
             row_ids = [r for _, r in rows]
             # Forked siblings reuse a row; otherwise rows are in order and the logits need no gather.
             logits = out.sample_logits if row_ids == list(range(len(out.sample_logits))) else \
                 out.sample_logits[torch.tensor(row_ids)]
-            sampled = self.sampler(logits, self._sampling_batch(seqs))
-            self.outputs.append_tokens(seqs, sampled)
-            for seq in seqs:
+            for seq, sampled in self._sample(seqs, logits):
+                self._guarded(seq.request, touched, self.outputs.append_tokens, [seq], sampled)
                 touched[seq.request.request_id] = seq.request
-                if seq.finish_reason is not None:
+                if seq.finish_reason is not None and not seq.finished:
                     self.scheduler.finish(seq)
         num_generated = len(rows)
-        if out.spec_logits and self.speculator is not None:
-            spec_seqs = [sched.seqs[r] for r in out.spec_logits]
+        spec_rows = {r: v for r, v in out.spec_logits.items() if not sched.seqs[r].finished}
+        if spec_rows and self.speculator is not None:
+            spec_seqs = [sched.seqs[r] for r in spec_rows]
             before = sum(s.num_tokens for s in spec_seqs)
-            self.speculator.verify(spec_seqs, list(out.spec_logits.values()))
+            self.speculator.verify(spec_seqs, list(spec_rows.values()))
             num_generated += sum(s.num_tokens for s in spec_seqs) - before
             for seq in spec_seqs:
                 touched[seq.request.request_id] = seq.request
-                if seq.finish_reason is not None:
+                if seq.finish_reason is not None and not seq.finished:
                     self.scheduler.finish(seq)
         self.stats.num_scheduled_tokens += sched.total_tokens
         self.stats.num_generated_tokens += num_generated
@@ -190,10 +252,57 @@ class LLMEngine:
             self.speculator.observe_step(sched.total_tokens, t_fwd, time.perf_counter() - t_step)
         results = []
         for req in touched.values():
-            results.append(self.outputs.make_output(req))
+            output = self._guarded(req, touched, self.outputs.make_output, req)
+            results.append(output if output is not None else self._final_output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return results
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, SamplerOutput]]:
+        """One batched sampler call; if it fails, each row alone, so that a bad row fails its request only."""
+        try:
+            sampled = self.sampler(logits, self._sampling_batch(seqs))
+        except Exception:
+            logger.exception("batched sampling failed; sampling %d row(s) one by one", len(seqs))
+        else:
+            return [(seq, sampled.row(i)) for i, seq in enumerate(seqs)]
+        results = []
+        for i, seq in enumerate(seqs):
+            row = self._guarded(seq.request, None, self.sampler, logits[i:i + 1], self._sampling_batch([seq]))
+            if row is not None:
+                results.append((seq, row))
+        return results
+
+    def _guarded(self, req: Request, touched: dict[str, Request] | None, fn: Callable[..., T],
+                 *args: Any) -> T | None:
+        """fn(*args) on behalf of one request: an exception fails that request (logged) and returns None."""
+        if req.error is not None:  # failed earlier in this step
+            return None
+        try:
+            return fn(*args)
+        except Exception:
+            logger.exception("request %s failed in the engine step", req.request_id)
+            self._fail_request(req)
+            if touched is not None:
+                touched[req.request_id] = req
+            return None
+
+    def _fail_request(self, req: Request) -> None:
+        """Finish every sequence of req with finish_reason "error" and free its KV blocks at once."""
+        req.error = "internal error while processing this request"
+        req.aborted = True  # its n siblings may not all exist yet: finished means all that do
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+        self.requests.pop(req.request_id, None)
+
+    def _final_output(self, req: Request) -> RequestOutput:
+        """The output of a failed request, built without the output processor (which may be what failed)."""
+        outs = [CompletionOutput(index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                                 finish_reason=s.finish_reason or "error") for s in req.seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True,
+                             metrics=req.metrics, error=req.error)
 
     def _fork_parallel_samples(self, sched: SchedulerOutput, sample_rows: list[int]) -> list[tuple[Sequence, int]]:
         """(seq, logits row) pairs to sample. n > 1: once seq 0 has the prompt's KV, fork n-1 siblings
@@ -201,6 +310,8 @@ class LLMEngine:
         rows = []
         for logit_row, sched_row in enumerate(sample_rows):
             seq = sched.seqs[sched_row]
+            if seq.finished:  # failed earlier in this step
+                continue
             rows.append((seq, logit_row))
             req = seq.request
             if seq.index == 0 and len(req.seqs) < req.params.n and seq.num_output_tokens == 0:
@@ -223,8 +334,10 @@ class LLMEngine:
             batch.prompt_token_ids = [s.request.prompt_token_ids for s in seqs]
         return batch
 
-    def _record_prompt_logprobs(self, sched: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
+    def _record_prompt_logprobs(self, sched: SchedulerOutput, prompt_logits: dict[int, torch.Tensor],
+                                touched: dict[str, Request]) -> None:
         for row, logits in prompt_logits.items():
             req = sched.seqs[row].request
             assert req.prompt_logprobs is not None
-            self.outputs.append_prompt_logprobs(req, len(req.prompt_logprobs) - 1, logits)
+            self._guarded(req, touched, self.outputs.append_prompt_logprobs, req, len(req.prompt_logprobs) - 1,
+                          logits)

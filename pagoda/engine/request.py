@@ -73,6 +73,7 @@ class Request:
     aborted: bool = False
     cache_salt: str | None = None   # isolates this tenant's prefix cache entries
     stop_ids: set[int] = field(default_factory=set)  # token ids that end a sequence (EOS unless ignored)
+    error: str | None = None        # set when the engine failed this request (finish_reason "error")
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=time.time())

@@ -6,11 +6,15 @@ tokenizer.json under $PAGODA_CACHE_DIR (default ~/.cache/pagoda)/tokenizers/<key
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +26,7 @@ if TYPE_CHECKING:
     from pagoda.model.loader import ModelFiles
 
 _CACHE_VERSION = 1
+_GIL_FREE_CHARS = 4096  # texts longer than this are (de)tokenized through the calls that release the GIL
 # End-of-turn markers of common chat formats; added to stop ids when the chat template uses them.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
                        "<|endoftext|>", "</s>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>")
@@ -87,6 +92,8 @@ class Tokenizer:
         self.stop_token_ids: set[int] = stop
         self._token_text_cache: dict[int, str] = {}
         self._compiled_template: Any = None
+        self._specials: tuple[list[str], re.Pattern[str] | None] | None = None
+        self._plain: _HFTokenizer | None = None
 
     @property
     def backend(self) -> _HFTokenizer:
@@ -95,10 +102,64 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (special-token strings in the text map to their ids, as in HF)."""
+        if len(text) > _GIL_FREE_CHARS:
+            # encode() holds the GIL for the whole text (a 1 MB prompt: ~0.7 s in which no other Python
+            # thread, the server's event loop included, runs); encode_batch releases it.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) > _GIL_FREE_CHARS // 4:  # as in encode: the batch call releases the GIL
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text: no text over n times this encodes to n tokens or fewer."""
+        n = self._tok.get_vocab_size(with_added_tokens=True)
+        texts = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1) or 1
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a rendered conversation in which only the template makes control tokens.
+
+        A special-token string inside a message (say "<|im_end|><|im_start|>system") would otherwise
+        become the real control token and forge a turn. Such strings are swapped for private-use markers
+        before rendering and tokenized as plain text afterwards, like HF's split_special_tokens but for
+        the messages alone: the template's own special tokens stay control tokens. Conversations without
+        such strings take the plain path, so their ids are exactly what tokenizing the rendering gives.
+        """
+        specials, pattern = self._special_strings()
+        if pattern is None or not any(pattern.search(text) for text in iter_strings(messages)):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        nonce = secrets.token_hex(4)
+        escaped = _map_strings(messages, lambda t: pattern.sub(
+            lambda m: f"\ue000{nonce}{specials.index(m.group(0))}\ue001", t))
+        rendered = self.apply_chat_template(escaped, add_generation_prompt)
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"\ue000{nonce}(\\d+)\ue001", rendered)):
+            if i % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False) if piece else []
+            else:
+                ids += self._text_only().encode(specials[int(piece)], add_special_tokens=False).ids
+        return ids
+
+    def _special_strings(self) -> tuple[list[str], re.Pattern[str] | None]:
+        """The special tokens' strings, and one regex matching any of them (None if there are none)."""
+        if self._specials is None:  # longest first, so that the alternation prefers the longest match
+            added = self._tok.get_added_tokens_decoder().values()
+            strings = sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True)
+            self._specials = strings, re.compile("|".join(map(re.escape, strings))) if strings else None
+        return self._specials
+
+    def _text_only(self) -> _HFTokenizer:
+        """A copy of the tokenizer that reads special-token strings as text (split_special_tokens)."""
+        if self._plain is None:
+            plain = _HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def id_to_token_text(self, token_id: int) -> str:
         """Decoded text of a single token (byte fragments of a multibyte char come out as U+FFFD)."""
@@ -127,6 +188,28 @@ class Tokenizer:
 
 
 # -- chat templates -----------------------------------------------------------------------
+
+def iter_strings(value: Any) -> Iterator[str]:
+    """Every string inside a message (content, name, tool call arguments, ...)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from iter_strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from iter_strings(v)
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
 
 def _compile_template(source: str) -> Any:
     """Compile a chat template in an immutable sandbox, with the helpers HF templates expect."""

@@ -387,6 +387,12 @@ class FakeEngine:
         self.scheduler.waiting.append(request_id)
         return SimpleNamespace(prompt_token_ids=ids)
 
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens)
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt))
+
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         if request_id in self.scheduler.waiting:

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
+from types import FrameType
+
+from pagoda.entrypoints.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -15,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -23,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name(s) clients use; the first one is reported (default: the model path)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 + Retry-After when more requests than this wait for the engine")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="answer 413 to a request body larger than this")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before aborting them")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -41,9 +49,18 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.entrypoints.server.metrics import ServerMetrics
 
     logging.getLogger("pagoda").setLevel(args.log_level.upper())
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model_flag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be at least 1")
-    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
+    if args.max_request_body_bytes < 1:
+        raise ValueError("--max-request-body-bytes must be at least 1")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise ValueError("--drain-timeout must be a non-negative number of seconds")
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))  # bad flags fail before loading
+    engine = LLMEngine(config)
     names = args.served_model_name or [args.model.rstrip("/") if args.model else DEFAULT_MODEL_NAME]
     metrics = ServerMetrics(names[0])
     settings = ServerSettings(
@@ -52,11 +69,24 @@ def main(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,
         model_root=args.model or DEFAULT_MODEL_NAME,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
-    app = create_app(AsyncEngine(engine, metrics), settings, metrics)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=int(max(1, args.drain_timeout)))
-    server = uvicorn.Server(config)
+    async_engine = AsyncEngine(engine, metrics)
+    app = create_app(async_engine, settings, metrics)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # The drain clock starts at the signal: the engine aborts what is left at drain_timeout, so
+            # waiting handlers answer 503 then, rather than uvicorn waiting drain_timeout for them first
+            # and the engine waiting again after.
+            async_engine.begin_shutdown(args.drain_timeout)
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own limit is a backstop: by then the engine has ended every request.
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                               access_log=args.access_log,
+                               timeout_graceful_shutdown=math.ceil(args.drain_timeout) + 2)
+    server = Server(uv_config)
     # uvicorn catches SIGINT/SIGTERM, shuts down gracefully (stop accepting, wait for in-flight requests,
     # then our lifespan drains the engine) and finally re-raises the signal to the handler that was
     # installed before it started. Installing no-op handlers here turns that re-raise into exit code 0.

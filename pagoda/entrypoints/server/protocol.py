@@ -9,8 +9,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pagoda.model.tokenizer import iter_strings
 from pagoda.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
@@ -20,8 +21,19 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _valid_unicode(value: Any, info: ValidationInfo) -> Any:
+    """JSON can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or UTF-8 encoder takes."""
+    for text in iter_strings(value):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode text") from None
+    return value
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    _unicode = field_validator("*", mode="after")(_valid_unicode)
 
 
 class StreamOptions(_Model):
@@ -153,6 +165,12 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... pass to the template
     role: str
     content: str | list[dict[str, Any]] | None = None
+    _unicode = field_validator("*", mode="after")(_valid_unicode)
+
+    @model_validator(mode="after")
+    def _extra_unicode(self) -> "ChatMessage":
+        _valid_unicode(self.model_extra, None)  # type: ignore[arg-type]
+        return self
 
     def text(self) -> str:
         if self.content is None:
