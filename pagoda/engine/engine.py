@@ -230,7 +230,7 @@ class LLMEngine:
             # Forked siblings reuse a row; otherwise rows are in order and the logits need no gather.
             logits = out.sample_logits if row_ids == list(range(len(out.sample_logits))) else \
                 out.sample_logits[torch.tensor(row_ids)]
-            for seq, sampled in self._sample(seqs, logits):
+            for seq, sampled in self._sample(seqs, logits, touched):
                 self._guarded(seq.request, touched, self.outputs.append_tokens, [seq], sampled)
                 touched[seq.request.request_id] = seq.request
                 if seq.finish_reason is not None and not seq.finished:
@@ -258,7 +258,8 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return results
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, SamplerOutput]]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
+                touched: dict[str, Request]) -> list[tuple[Sequence, SamplerOutput]]:
         """One batched sampler call; if it fails, each row alone, so that a bad row fails its request only."""
         try:
             sampled = self.sampler(logits, self._sampling_batch(seqs))
@@ -268,12 +269,12 @@ class LLMEngine:
             return [(seq, sampled.row(i)) for i, seq in enumerate(seqs)]
         results = []
         for i, seq in enumerate(seqs):
-            row = self._guarded(seq.request, None, self.sampler, logits[i:i + 1], self._sampling_batch([seq]))
+            row = self._guarded(seq.request, touched, self.sampler, logits[i:i + 1], self._sampling_batch([seq]))
             if row is not None:
                 results.append((seq, row))
         return results
 
-    def _guarded(self, req: Request, touched: dict[str, Request] | None, fn: Callable[..., T],
+    def _guarded(self, req: Request, touched: dict[str, Request], fn: Callable[..., T],
                  *args: Any) -> T | None:
         """fn(*args) on behalf of one request: an exception fails that request (logged) and returns None."""
         if req.error is not None:  # failed earlier in this step
@@ -283,8 +284,7 @@ class LLMEngine:
         except Exception:
             logger.exception("request %s failed in the engine step", req.request_id)
             self._fail_request(req)
-            if touched is not None:
-                touched[req.request_id] = req
+            touched[req.request_id] = req
             return None
 
     def _fail_request(self, req: Request) -> None:

@@ -393,6 +393,9 @@ class FakeEngine:
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt))
 
+    def reset_prefix_cache(self) -> None:
+        pass
+
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         if request_id in self.scheduler.waiting:
@@ -442,6 +445,12 @@ def test_api_key_enforced() -> None:
         r = http.get("/v1/models", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         assert http.get("/health").status_code == 200  # operational routes stay open
+        assert http.get("/version").status_code == 200 and http.get("/metrics").status_code == 200
+        # Every route that runs the tokenizer or changes state needs the key.
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}),
+                           ("/reset_prefix_cache", None)):
+            assert http.post(path, json=body).status_code == 401, path
+            assert http.post(path, json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 200, path
         bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model="fake", prompt="hi", max_tokens=2)
