@@ -1,6 +1,7 @@
 """Engine configuration: one dataclass per concern, vLLM's names for every knob."""
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +10,8 @@ import psutil
 import torch
 
 from pagoda.kernels.kv_quant import check_kv_cache_dtype
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
@@ -36,7 +39,13 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+_warned_float16 = False
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The compute dtype for a name. float16 on CPU computes in bfloat16 where the CPU has it natively,
+    else float32: CPU fp16 matmuls are emulated (slow) and fp16 overflows where bf16 and fp32 do not."""
+    global _warned_float16
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -47,8 +56,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if dtype not in names:
-        raise ValueError(f"dtype: unknown {dtype!r}; choose auto, float32 or bfloat16")
-    return names[dtype]
+        raise ValueError(f"dtype: unknown {dtype!r}; choose auto, float32, bfloat16 or float16")
+    resolved = names[dtype]
+    if resolved is torch.float16 and not device.startswith("cuda"):
+        resolved = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        if not _warned_float16:  # the engine and a draft model both resolve it: say it once
+            _warned_float16 = True
+            logger.warning("dtype float16: CPUs have no fast float16 compute; using %s instead",
+                           str(resolved).removeprefix("torch."))
+    return resolved
 
 
 @dataclass
@@ -64,14 +80,17 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
 
-    def pool_bytes(self) -> int:
+    def pool_bytes(self, bytes_per_block: int, blocks_wanted: int) -> int:
+        """KV pool size in bytes: kv_cache_memory when given; else what `blocks_wanted` blocks take (every
+        sequence at its full context), capped at a share of available RAM and at max_default_bytes."""
         explicit = parse_memory(self.kv_cache_memory)
         if explicit is not None:
             if explicit <= 0:
                 raise ValueError("kv_cache_memory must be positive")
             return explicit
         avail = psutil.virtual_memory().available
-        return int(min(avail * self.memory_fraction, self.max_default_bytes))
+        cap = int(min(avail * self.memory_fraction, self.max_default_bytes))
+        return min(bytes_per_block * blocks_wanted, cap)
 
 
 @dataclass
@@ -111,4 +130,24 @@ class EngineConfig:
             raise ValueError("block_size must be positive")
         if cfg.scheduler.max_num_seqs <= 0 or cfg.scheduler.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        cfg.validate()
         return cfg
+
+    def validate(self) -> None:
+        """Check every value that needs no model, so a bad one fails before weights load."""
+        from pagoda.quantization.int4_format import GROUP_SIZES
+        from pagoda.quantization.methods import check_method
+        from pagoda.spec_decode.config import SpeculativeConfig
+
+        resolve_dtype(self.dtype, self.device)
+        memory = parse_memory(self.cache.kv_cache_memory)
+        if memory is not None and memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.scheduler.max_model_len is not None and self.scheduler.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        check_method(self.quantization)
+        if self.quantization_group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size: int4 group size {self.quantization_group_size} not "
+                             f"supported; choose one of {GROUP_SIZES}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)

@@ -250,16 +250,26 @@ async def run_benchmark(target: Target, requests: Sequence[BenchRequest], prompt
     return list(results), duration
 
 
+class ServerUnreachable(ValueError):
+    """Nothing answers at --base-url (a ValueError: the CLI reports it in one line and exits 2)."""
+
+
 async def discover_model(base_url: str, headers: dict[str, str], timeout_s: float) -> str:
-    """The first model id the server lists at GET /v1/models."""
+    """The first model id the server lists at GET /v1/models; a missing server fails in one line."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=min(timeout_s, 30.0), trust_env=False) as client:
-        r = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
-        r.raise_for_status()
-        data = r.json().get("data") or []
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with httpx.AsyncClient(timeout=min(timeout_s, 30.0), trust_env=False) as client:
+            r = await client.get(url, headers=headers)
+    except httpx.TransportError as e:  # refused, unresolvable, timed out
+        raise ServerUnreachable(f"cannot connect to {base_url} ({type(e).__name__}: {e or 'no answer'}); "
+                                "is the server running? (start one with `pagoda serve`)") from None
+    if r.status_code != 200:
+        raise ValueError(f"GET {url} answered HTTP {r.status_code}; pass --model NAME")
+    data = r.json().get("data") or []
     if not data:
-        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+        raise ValueError(f"{url} lists no model; pass --model")
     return str(data[0]["id"])
 
 
@@ -384,12 +394,14 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.model.default_model import default_model_path
     from pagoda.model.tokenizer import load_tokenizer
 
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    # Before the tokenizer loads: without a server this fails at once. With --model given, requests that
+    # cannot connect are counted as failed in the report instead.
+    model = args.model or asyncio.run(discover_model(args.base_url, headers, args.timeout))
     tokenizer = load_tokenizer(args.tokenizer or default_model_path())
     requests = requests_from_args(args, tokenizer)
     prompts = _build_prompts(args, requests, tokenizer)
-    key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    model = args.model or asyncio.run(discover_model(args.base_url, headers, args.timeout))
     endpoint = args.endpoint if args.endpoint.startswith("/") else "/" + args.endpoint
     target = Target(url=args.base_url.rstrip("/") + endpoint, model=model,
                     chat=endpoint.rstrip("/").endswith("chat/completions"), headers=headers, timeout_s=args.timeout)

@@ -5,21 +5,48 @@ import argparse
 import importlib
 import json
 import logging
+import os
+import signal
 import sys
+import threading
+import time
+from types import FrameType
 from typing import Any
+
+import pagoda
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help text already says it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """argparse prints nothing, not even the default, for a flag without help text: give each one a help
+    (plugin modules add flags this file does not see)."""
+    for action in p._actions:
+        if action.help is None and action.default is not argparse.SUPPRESS and not action.required:
+            action.help = "(default: %(default)s)"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM's (and as LLM(...)'s keyword arguments)."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype; auto = bfloat16 where the CPU has native bf16, else float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto = bfloat16 where the CPU has native bf16, else float32; "
+                        "float16 computes in bfloat16 (native) or float32 on CPU")
     p.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 512)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size in bytes or e.g. 2GiB (default: a share of free RAM, at most 4 GiB)")
+                   help="KV pool size in bytes or e.g. 2GiB (default: what max-num-seqs sequences of "
+                        "max-model-len tokens need, at most 25%% of free RAM and 4 GiB)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="engine seed, also the requests' sampling seed (default: 0, requests unseeded)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse KV blocks of shared prompt prefixes across requests (default on)")
     p.add_argument("--quantization", "-q", default=None,
@@ -29,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage dtype (default auto = the compute dtype)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(default: none)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -49,60 +77,155 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+# Sampling flags: name -> (type, default of `generate`). `chat` leaves them unset (None) so that the
+# model's generation_config.json, or CHAT_SAMPLING, fills what the user did not give.
+_SAMPLING_FLAGS: dict[str, tuple[type, float]] = {
+    "temperature": (float, 0.0), "top_p": (float, 1.0), "top_k": (int, -1), "repetition_penalty": (float, 1.0)}
+# Greedy decoding of a small chat model loops; a little temperature and a repetition penalty do not.
+CHAT_SAMPLING: dict[str, float] = {"temperature": 0.7, "repetition_penalty": 1.1}
 
 
-def _sampling(args: argparse.Namespace):  # noqa: ANN202
+def add_sampling_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    for name, (kind, default) in _SAMPLING_FLAGS.items():
+        if chat:
+            fallback = CHAT_SAMPLING.get(name, default)
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                           help=f"(default: the model's generation_config.json, else {fallback:g})")
+        else:
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                           help="0 = greedy" if name == "temperature" else "1 = off" if kind is float else "-1 = off")
+
+
+def model_sampling_defaults(model: str | None) -> dict[str, Any]:
+    """The sampling values of a model folder's generation_config.json ({} if it has none, as a GGUF).
+    do_sample is ignored, as vLLM does: the values are what the model's authors tuned sampling to."""
+    if model is None or not os.path.isdir(model):
+        return {}
+    try:
+        with open(os.path.join(model, "generation_config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {k: cfg[k] for k, (kind, _) in _SAMPLING_FLAGS.items()
+            if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
+
+
+def _sampling(args: argparse.Namespace, defaults: dict[str, Any] | None = None):  # noqa: ANN202
+    """SamplingParams from the flags; a flag left unset (None) takes `defaults`, then SamplingParams'."""
     from pagoda import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+
+    values = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None}
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **{**(defaults or {}), **values})
+
+
+def _check_model(model: str | None) -> None:
+    """A missing model path fails here, before the seconds of importing torch and loading anything."""
+    if model is not None and not os.path.exists(os.path.expanduser(model)):
+        raise FileNotFoundError(f"model path does not exist: {model!r} (pagoda only loads local files)")
+
+
+def _note_speed(tokens: int, seconds: float) -> None:
+    """'[42 tokens, 55.1 tok/s]' on stderr (dim on a terminal), so stdout keeps only the text."""
+    line = f"[{tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tok/s]"
+    if sys.stderr.isatty():
+        line = f"\033[2m{line}\033[0m"
+    print(line, file=sys.stderr, flush=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)  # bad flags fail before the model loads
+    _check_model(args.model)
     from pagoda import LLM
+
     llm = LLM(args.model, **engine_kwargs(args))
-    outs = llm.generate(args.prompt, _sampling(args), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(args.prompt, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
     for prompt, out in zip(args.prompt, outs):
         print(f"{prompt}{out.outputs[0].text}")
         if len(args.prompt) > 1:
             print("-" * 40)
+    _note_speed(sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
     return 0
+
+
+class _StopOnInterrupt:
+    """SIGINT handler for one reply. The first Ctrl-C asks the stream loop to stop between engine steps
+    (a step cut in half could leave the engine inconsistent); a second one interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+def stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> tuple[str, int, bool]:
+    """Stream one reply to stdout. Ctrl-C stops it: the request is aborted and the engine stays usable.
+    Returns (text shown, tokens generated, stopped by Ctrl-C)."""
+    req = engine.add_request(prompt_ids, params)
+    stop = _StopOnInterrupt()
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGINT, stop) if main_thread else None
+    text, tokens = "", 0
+    try:
+        while not stop.requested and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == req.request_id:
+                    sys.stdout.write(out.outputs[0].text[len(text):])
+                    sys.stdout.flush()
+                    text, tokens = out.outputs[0].text, len(out.outputs[0].token_ids)
+    except KeyboardInterrupt:
+        stop.requested = True
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+        if stop.requested:
+            engine.abort_request(req.request_id)
+    return text, tokens, stop.requested
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat that streams tokens as the engine makes them."""
+    params = _sampling(args, model_sampling_defaults(args.model) or CHAT_SAMPLING)
+    _check_model(args.model)
     from pagoda import LLM
+
     llm = LLM(args.model, **engine_kwargs(args))
     engine, tok = llm.engine, llm.engine.tokenizer
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("pagoda chat: type a message, /reset to start over, Ctrl-D to quit.")
+    print("pagoda chat: type a message; /reset starts over, /quit (or Ctrl-D) quits, Ctrl-C stops a reply.")
     while True:
         try:
             user = input("> ")
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        if user.strip() in ("/quit", "/exit"):
+            return 0
         if user.strip() == "/reset":
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": user})
         ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
-        req = engine.add_request(ids, _sampling(args))
-        shown = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                sys.stdout.write(text[shown:])
-                sys.stdout.flush()
-                shown = len(text)
+        t0 = time.perf_counter()
+        try:
+            text, tokens, stopped = stream_reply(engine, ids, params)
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
         print()
-        messages.append({"role": "assistant", "content": req.seqs[0].text})
+        _note_speed(tokens, time.perf_counter() - t0)
+        if text or not stopped:
+            messages.append({"role": "assistant", "content": text})  # what was shown, as the user saw it
+        else:
+            messages.pop()  # stopped before any output: as if never asked
 
 
 # Subcommands living in their own modules: name -> (module, help). Each module has add_arguments(p), main(args).
@@ -121,33 +244,37 @@ _EVAL = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pagoda {pagoda.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("prompt", nargs="+")
+    g = sub.add_parser("generate", help="generate text for one or more prompts", formatter_class=HelpFormatter)
+    g.add_argument("prompt", nargs="+", help="prompt text(s), each generated for separately")
     g.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat, streaming")
-    c.add_argument("--model", default=None)
-    c.add_argument("--system", default=None, help="system prompt")
+    c = sub.add_parser("chat", help="interactive chat, streaming", formatter_class=HelpFormatter)
+    c.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--system", default=None, help="system prompt (default: none)")
     add_engine_args(c)
-    add_sampling_args(c)
-    c.set_defaults(func=cmd_chat, temperature=0.7)
+    add_sampling_args(c, chat=True)
+    c.set_defaults(func=cmd_chat)
 
     for name, (module, help_text) in _PLUGINS.items():
         _add_plugin(sub, name, module, help_text)
-    b = sub.add_parser("bench", help="benchmarks")
+    b = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in _BENCH.items():
         _add_plugin(bsub, name, module, help_text)
-    e = sub.add_parser("eval", help="quality evaluations")
+    e = sub.add_parser("eval", help="quality evaluations", formatter_class=HelpFormatter)
     esub = e.add_subparsers(dest="eval", required=True)
     for name, (module, help_text) in _EVAL.items():
         _add_plugin(esub, name, module, help_text)
+    for p in (g, c):
+        _show_defaults(p)
     return parser
 
 
@@ -158,8 +285,9 @@ def _add_plugin(sub: Any, name: str, module: str, help_text: str) -> None:
         if e.name != module:  # a real import error inside the module must surface
             raise
         return
-    p = sub.add_parser(name, help=help_text)
+    p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
     mod.add_arguments(p)
+    _show_defaults(p)
     p.set_defaults(func=mod.main)
 
 

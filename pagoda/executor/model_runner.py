@@ -103,16 +103,21 @@ class ModelRunner:
         fmt = kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype)
         shape = (num_blocks, a.num_kv_heads, self.block_size, a.head_dim)
         k_shape = k_cache_shape(*shape, fmt.dtype) if self.device.type == "cpu" else shape
+        # torch.empty on CPU: a large fresh allocation is mmap'd zero pages that the OS maps in only when
+        # written, so RSS follows the tokens cached rather than the pool size (zeros would touch every page).
+        # Unwritten slots are never read: attention only reads a sequence's first seq_len keys (the NaN-filled
+        # caches of tests/test_paged_attention.py and test_kv_cache_dtype.py pin this down).
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         self.kv_caches = []
         self.kv_scales = []
         for attn in self.model.attention_layers():
-            k = torch.zeros(k_shape, dtype=fmt.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=fmt.dtype, device=self.device)
+            k = alloc(k_shape, dtype=fmt.dtype, device=self.device)
+            v = alloc(shape, dtype=fmt.dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
             if fmt.quantized:
-                ks = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device)
-                vs = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device)
+                ks = alloc(shape[:3], dtype=SCALE_DTYPE, device=self.device)
+                vs = alloc(shape[:3], dtype=SCALE_DTYPE, device=self.device)
                 attn.k_scale, attn.v_scale = ks, vs
                 self.kv_scales.append((ks, vs))
 

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,8 +20,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
-_HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))  # part of the build hash, not compiled alone
+_SRC_DIR = Path(__file__).parent / "cpu"
+_SOURCES = sorted(_SRC_DIR.glob("*.cpp"))
+_HEADERS = sorted(_SRC_DIR.glob("*.h"))  # part of the build hash, not compiled alone
 _EXT_NAME = "pagoda_cpu_kernels"
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is only active
 # when this translation unit is compiled with OpenMP. The .so then needs libgomp.so.1,
@@ -56,15 +58,20 @@ def _cpu_fingerprint() -> str:
     return cpu_flags() or platform.processor()
 
 
-def build_directory() -> Path:
-    """Per source/torch/CPU build dir, so every process reuses one compiled library."""
+def build_directory(src_dir: Path = _SRC_DIR) -> Path:
+    """Per source/torch/CPU build dir, so every process reuses one compiled library.
+
+    Named <content hash>-<source path hash>: torch's build.ninja records the sources' absolute paths, so
+    two checkouts with the same sources sharing one dir would each see the other's build as stale and
+    recompile it; one dir per checkout keeps each build."""
     h = hashlib.sha256()
-    for src in (*_SOURCES, *_HEADERS):
+    for src in (*sorted(src_dir.glob("*.cpp")), *sorted(src_dir.glob("*.h"))):
         h.update(src.read_bytes())
     for part in (torch.__version__, " ".join(_CFLAGS), " ".join(_LDFLAGS), _cpu_fingerprint()):
         h.update(part.encode())
+    where = hashlib.sha256(str(src_dir.resolve()).encode()).hexdigest()[:8]
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagoda" / "torch_extensions"
-    return root / h.hexdigest()[:16]
+    return root / f"{h.hexdigest()[:16]}-{where}"
 
 
 def _load() -> bool:
@@ -80,6 +87,11 @@ def _load() -> bool:
             build_dir = build_directory()
             build_dir.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
+            # The dir is keyed by content and path, so a missing library means ninja compiles now: say so,
+            # or the first run looks hung for a minute.
+            compiling = not (build_dir / f"{_EXT_NAME}.so").exists()
+            if compiling:
+                print("pagoda: compiling CPU kernels (once, ~1 min)...", file=sys.stderr, flush=True)
             # torch's file baton in build_dir serializes concurrent builds; a later
             # process finds ninja up to date and only loads the .so.
             cpp_extension.load(
@@ -91,6 +103,8 @@ def _load() -> bool:
                 is_python_module=False,
                 verbose=False,
             )
+            if compiling:
+                print(f"pagoda: CPU kernels compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             logger.debug("pagoda C++ kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
             _state["ok"] = hasattr(torch.ops.pagoda, "paged_attention") and hasattr(torch.ops.pagoda, "rms_norm")
         except Exception as e:  # any build/load failure means: use the torch fallback

@@ -44,6 +44,17 @@ def checkpoint_tensors(float_state: dict[str, torch.Tensor], qweights: dict[str,
     return out
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' save_file, leaving the file's mode as open() would (0666 less the umask): safetensors
+    (0.8) writes through a temporary file and keeps its mode 0600, unreadable to anyone else."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)  # the only portable way to read it; set straight back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_tokenizer_files(model_path: str | None, out_dir: str) -> None:
     """Copy an HF folder's tokenizer files; for a GGUF, write the tokenizer pagoda converts from it."""
     from pagoda.model.loader import resolve_model_files
@@ -70,15 +81,13 @@ def write_tokenizer_files(model_path: str | None, out_dir: str) -> None:
 def write_checkpoint(out_dir: str, model_path: str | None, hf_config: dict[str, Any],
                      float_state: dict[str, torch.Tensor], qweights: dict[str, Int4Weight], algorithm: str,
                      group_size: int, desc_act: bool, dtype: torch.dtype = torch.float32) -> None:
-    from safetensors.torch import save_file
-
     os.makedirs(out_dir, exist_ok=True)
     cfg = dict(hf_config)
     cfg["quantization_config"] = quantization_config(algorithm, group_size, desc_act)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     tied = bool(cfg.get("tie_word_embeddings", False))
     tensors = checkpoint_tensors(float_state, qweights, tied, dtype)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     write_tokenizer_files(model_path, out_dir)
@@ -105,15 +114,13 @@ def load_dequantized_state(folder: str) -> dict[str, torch.Tensor]:
 def export_dequantized(folder: str, out_dir: str) -> None:
     """A plain float HF folder with the checkpoint's dequantized weights (for checks against float
     references, and for runtimes that cannot read the INT4 layout)."""
-    from safetensors.torch import save_file
-
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
-    save_file({k: v.contiguous() for k, v in load_dequantized_state(folder).items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_tensors({k: v.contiguous() for k, v in load_dequantized_state(folder).items()},
+                 os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     for name in _TOKENIZER_FILES:
