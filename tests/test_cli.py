@@ -173,8 +173,10 @@ class FakeEngine:
         self.params: list[Any] = []
         self.aborted: list[str] = []
         self.steps = 0
-        self.tokenizer = SimpleNamespace(apply_chat_template=lambda msgs: json.dumps(msgs),
-                                         encode=lambda text, add_special_tokens=False: [1, 2, 3])
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        json.dumps(messages)
+        return [1, 2, 3]
 
     def add_request(self, ids: list[int], params: Any) -> Any:
         rid = str(len(self.params))

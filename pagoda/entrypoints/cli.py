@@ -195,7 +195,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
-    engine, tok = llm.engine, llm.engine.tokenizer
+    engine = llm.engine
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -212,9 +212,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": user})
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         t0 = time.perf_counter()
         try:
+            ids = engine.tokenize_chat(messages)
             text, tokens, stopped = stream_reply(engine, ids, params)
         except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
             print(f"error: {e}", file=sys.stderr)

@@ -65,9 +65,7 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                              add_special_tokens=False) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.engine.tokenize_chat(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
