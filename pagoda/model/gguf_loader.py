@@ -9,6 +9,7 @@ and dequantized with `gguf.quants.dequantize`, so the numerics are gguf-py's.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import re
@@ -20,6 +21,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagoda.model.errors import ModelFileError
+from pagoda.model.loader import warn_nonfinite
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ _NP_DTYPE = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5
 _T_STRING, _T_ARRAY = 8, 9
 # String arrays longer than this (token lists, merges) are not materialized.
 _MAX_KEPT_STRINGS = 4096
+_MAX_DIMS = 4          # GGML_MAX_DIMS
+_MAX_ARRAY_DEPTH = 4   # nested metadata arrays: real files use none; bounded so a corrupt one cannot recurse
 
 # GGUF architecture -> (HF architectures entry, HF model_type).
 SUPPORTED_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
@@ -66,7 +72,10 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """Parsed GGUF header (metadata + tensor directory); tensor data stays on disk (memmap)."""
+    """Parsed GGUF header (metadata + tensor directory); tensor data stays on disk (memmap).
+
+    Every count, length and offset is checked against the file's size as it is read, so a corrupt or
+    truncated file raises ModelFileError at once instead of looping, allocating or reading past the end."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -76,63 +85,110 @@ class GGUFFile:
             try:
                 buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError as e:  # empty file
-                raise ValueError(f"{path}: not a GGUF file ({e})") from None
+                raise ModelFileError(path, f"not a GGUF file ({e})") from None
         try:
             self._parse(buf)
-        except struct.error as e:
-            raise ValueError(f"{path}: truncated or corrupt GGUF header ({e})") from None
+        except (struct.error, OverflowError) as e:
+            raise ModelFileError(path, f"truncated or corrupt GGUF header ({e})") from None
         finally:
             buf.close()
         # Mapped up front (cheap) so dequantization threads never race to create it.
         self._data: np.memmap = np.memmap(path, dtype=np.uint8, mode="r")
 
     # -- header parsing ---------------------------------------------------------------
+    def _need(self, buf: mmap.mmap, off: int, nbytes: int, what: str) -> None:
+        if nbytes < 0 or off + nbytes > len(buf):
+            raise ModelFileError(self.path, f"truncated or corrupt GGUF header: {what} at byte {off} needs "
+                                            f"{nbytes} bytes, past the end of the {len(buf)}-byte file")
+
     def _parse(self, buf: mmap.mmap) -> None:
         if buf[:4] != GGUF_MAGIC:
-            raise ValueError(f"{self.path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+            raise ModelFileError(self.path, f"not a GGUF file (bad magic {bytes(buf[:4])!r})")
+        self._need(buf, 0, 24, "the GGUF preamble")
         (version,) = struct.unpack_from("<I", buf, 4)
         if version not in (2, 3):
             # v1 used 32-bit counts; a huge value means a big-endian file. Neither is supported.
-            raise ValueError(f"{self.path}: unsupported GGUF version {version} (need 2 or 3, little-endian)")
+            raise ModelFileError(self.path, f"unsupported GGUF version {version} (need 2 or 3, little-endian)")
         n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+        # A metadata entry takes at least 13 bytes (key length, type, a 1-byte value), a tensor entry 24.
+        if 13 * n_kv + 24 * n_tensors > len(buf) - 24:
+            raise ModelFileError(self.path, f"truncated or corrupt GGUF header: it claims {n_kv} metadata entries and "
+                                            f"{n_tensors} tensors, more than the {len(buf)}-byte file holds")
         off = 24
         for _ in range(n_kv):
             key, off = self._read_str(buf, off)
+            self._need(buf, off, 4, f"the type of metadata {key!r}")
             (vtype,) = struct.unpack_from("<I", buf, off)
-            value, off = self._read_value(buf, off + 4, vtype)
+            value, off = self._read_value(buf, off + 4, vtype, key)
             self.fields[key] = value
         infos = []
         for _ in range(n_tensors):
             name, off = self._read_str(buf, off)
+            self._need(buf, off, 4, f"tensor {name!r}")
             (n_dims,) = struct.unpack_from("<I", buf, off)
+            if n_dims > _MAX_DIMS:
+                raise ModelFileError(self.path, f"corrupt GGUF header: tensor {name!r} has {n_dims} dimensions "
+                                                f"(at most {_MAX_DIMS})")
+            self._need(buf, off, 16 + 8 * n_dims, f"tensor {name!r}")
             dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
             off += 4 + 8 * n_dims
             qtype, rel = struct.unpack_from("<IQ", buf, off)
             off += 12
             infos.append((name, tuple(int(d) for d in dims), int(qtype), int(rel)))
-        align = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(align) is not int or align <= 0:
+            raise ModelFileError(self.path, f"corrupt GGUF header: general.alignment = {align!r}")
         data_start = (off + align - 1) // align * align
         for name, dims, qtype, rel in infos:
-            self.tensors[name] = GGUFTensorInfo(name, dims, qtype, data_start + rel)
+            info = GGUFTensorInfo(name, dims, qtype, data_start + rel)
+            end = info.offset + self._nbytes(info)
+            if end > len(buf):
+                raise ModelFileError(self.path, f"truncated or corrupt: tensor {name} {info.shape} ends at byte {end}, "
+                                                f"past the end of the {len(buf)}-byte file")
+            self.tensors[name] = info
 
-    @staticmethod
-    def _read_str(buf: mmap.mmap, off: int) -> tuple[str, int]:
+    def _nbytes(self, info: GGUFTensorInfo) -> int:
+        """Stored size of a tensor; ModelFileError for a type pagoda cannot dequantize or a ragged row."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            qtype = GGMLQuantizationType(info.qtype)
+        except ValueError:
+            raise ModelFileError(self.path, f"unsupported tensor type {info.qtype} for tensor {info.name}") from None
+        if qtype not in GGML_QUANT_SIZES or not _dequantizable(qtype):
+            raise ModelFileError(self.path, f"unsupported tensor type {qtype.name} for tensor {info.name}")
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        row = info.dims[0] if info.dims else 1
+        if row % block_size:
+            raise ModelFileError(self.path, f"corrupt GGUF header: tensor {info.name} has rows of {row} values, "
+                                            f"not a multiple of {qtype.name}'s block of {block_size}")
+        n_rows = math.prod(info.dims[1:])
+        return n_rows * (row // block_size) * type_size
+
+    def _read_str(self, buf: mmap.mmap, off: int) -> tuple[str, int]:
+        self._need(buf, off, 8, "a string length")
         (n,) = struct.unpack_from("<Q", buf, off)
+        self._need(buf, off + 8, n, f"a string of length {n}")
         return buf[off + 8: off + 8 + n].decode("utf-8", errors="replace"), off + 8 + n
 
-    def _read_value(self, buf: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
+    def _read_value(self, buf: mmap.mmap, off: int, vtype: int, key: str, depth: int = 0) -> tuple[Any, int]:
         if vtype == _T_STRING:
             return self._read_str(buf, off)
         if vtype in _SCALAR_FMT:
             fmt = _SCALAR_FMT[vtype]
+            self._need(buf, off, struct.calcsize(fmt), f"metadata {key!r}")
             return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
-        if vtype == _T_ARRAY:
+        if vtype == _T_ARRAY and depth < _MAX_ARRAY_DEPTH:
+            self._need(buf, off, 12, f"metadata {key!r}")
             etype, count = struct.unpack_from("<IQ", buf, off)
             off += 12
             if etype == _T_STRING:
+                self._need(buf, off, 8 * count, f"the {count} strings of metadata {key!r}")
                 if count > _MAX_KEPT_STRINGS:
                     for _ in range(count):  # skip: only the length is needed (vocab size)
+                        self._need(buf, off, 8, f"a string of metadata {key!r}")
                         off += 8 + struct.unpack_from("<Q", buf, off)[0]
+                    self._need(buf, off, 0, f"the strings of metadata {key!r}")
                     return SkippedStrings(count), off
                 items = []
                 for _ in range(count):
@@ -141,22 +197,25 @@ class GGUFFile:
                 return items, off
             if etype in _NP_DTYPE:
                 dt = np.dtype(_NP_DTYPE[etype])
+                self._need(buf, off, dt.itemsize * count, f"the {count} values of metadata {key!r}")
                 arr = np.frombuffer(buf, dtype=dt, count=count, offset=off).copy()
                 return (arr.tolist() if count <= _MAX_KEPT_STRINGS else arr), off + dt.itemsize * count
             if etype == _T_ARRAY:  # nested arrays: rare, parse generically
+                self._need(buf, off, 12 * count, f"the {count} arrays of metadata {key!r}")
                 items = []
                 for _ in range(count):
-                    v, off = self._read_value(buf, off, _T_ARRAY)
+                    v, off = self._read_value(buf, off, _T_ARRAY, key, depth + 1)
                     items.append(v)
                 return items, off
-        raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+            vtype = etype
+        raise ModelFileError(self.path, f"corrupt GGUF header: metadata {key!r} has unknown value type {vtype}")
 
     # -- accessors ----------------------------------------------------------------------
     @property
     def architecture(self) -> str:
         arch = self.fields.get("general.architecture")
         if not isinstance(arch, str):
-            raise ValueError(f"{self.path}: GGUF metadata lacks general.architecture")
+            raise ModelFileError(self.path, "GGUF metadata lacks general.architecture")
         return arch
 
     def raw_tensor(self, name: str) -> np.ndarray:
@@ -164,16 +223,9 @@ class GGUFFile:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         info = self.tensors[name]
-        qtype = GGMLQuantizationType(info.qtype)
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
-        row = info.dims[0]
-        if row % block_size:
-            raise ValueError(f"{name}: row length {row} not a multiple of block size {block_size}")
-        row_bytes = row // block_size * type_size
-        n_rows = int(np.prod(info.dims[1:], dtype=np.int64)) if len(info.dims) > 1 else 1
-        raw = self._data[info.offset: info.offset + n_rows * row_bytes]
-        if raw.size != n_rows * row_bytes:
-            raise ValueError(f"{self.path}: tensor {name} extends past the end of the file")
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
+        row_bytes = info.dims[0] // block_size * type_size  # whole blocks, within the file: checked at parse
+        raw = self._data[info.offset: info.offset + self._nbytes(info)]
         return raw.reshape(*info.shape[:-1], row_bytes)
 
     def dequantized(self, name: str) -> np.ndarray:
@@ -186,49 +238,83 @@ class GGUFFile:
         return out.reshape(info.shape)
 
 
+def _dequantizable(qtype: Any) -> bool:
+    """Whether gguf.quants.dequantize handles `qtype` (F32, F16 and its table of block formats)."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+
+    traits = getattr(quants, "_type_traits", None)
+    if traits is None:  # another gguf-py layout: leave the verdict to dequantize itself
+        return True
+    return qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or qtype in traits
+
+
 def _meta(g: GGUFFile, key: str, default: Any = None) -> Any:
     return g.fields.get(f"{g.architecture}.{key}", default)
+
+
+def _field_int(g: GGUFFile, key: str, default: int | None = None) -> int | None:
+    """An integer metadata value (`default` when absent); ModelFileError naming the key when it is not one."""
+    value = g.fields.get(key)
+    if value is None:
+        return default
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise ModelFileError(g.path, f"bad GGUF metadata: {key} = {value!r} (not an integer)")
+
+
+def _meta_int(g: GGUFFile, key: str, default: int | None = None) -> int | None:
+    return _field_int(g, f"{g.architecture}.{key}", default)
+
+
+def _meta_float(g: GGUFFile, key: str, default: float) -> float:
+    value = _meta(g, key, default)
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return float(value)
+    raise ModelFileError(g.path, f"bad GGUF metadata: {g.architecture}.{key} = {value!r} (not a number)")
 
 
 def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
     """Build an HF config.json-style dict from GGUF metadata."""
     arch = g.architecture
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{g.path}: unsupported GGUF architecture {arch!r} "
-                         f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
+        raise ModelFileError(g.path, f"unsupported GGUF architecture {arch!r} "
+                                     f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
     hf_arch, model_type = SUPPORTED_ARCHS[arch]
     required = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
                 "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads"}
     missing = [f"{arch}.{k}" for k in required if _meta(g, k) is None]
     if missing:
-        raise ValueError(f"{g.path}: GGUF metadata lacks {', '.join(missing)}")
-    hidden = int(_meta(g, "embedding_length"))
-    heads = int(_meta(g, "attention.head_count"))
-    kv_heads = int(_meta(g, "attention.head_count_kv") or heads)
+        raise ModelFileError(g.path, f"GGUF metadata lacks {', '.join(missing)}")
+    hidden = _meta_int(g, "embedding_length")
+    heads = _meta_int(g, "attention.head_count")
+    kv_heads = _meta_int(g, "attention.head_count_kv", heads)
+    # Zero heads: leave head_dim to ModelArgs, which refuses the head count with a clear message.
+    head_dim = _meta_int(g, "attention.key_length") or (hidden // heads if hidden and heads else None)
 
-    vocab = _meta(g, "vocab_size")
+    vocab = _meta_int(g, "vocab_size")
     if vocab is None and "tokenizer.ggml.tokens" in g.fields:
         vocab = len(g.fields["tokenizer.ggml.tokens"])
     if vocab is None and "token_embd.weight" in g.tensors:
         vocab = g.tensors["token_embd.weight"].shape[0]
     if vocab is None:
-        raise ValueError(f"{g.path}: cannot determine vocab size")
+        raise ModelFileError(g.path, "cannot determine the vocab size from the GGUF metadata")
 
     default_theta = 1_000_000.0 if arch == "qwen2" else 10_000.0
     cfg: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(_meta(g, "block_count")),
-        "intermediate_size": int(_meta(g, "feed_forward_length")),
+        "num_hidden_layers": _meta_int(g, "block_count"),
+        "intermediate_size": _meta_int(g, "feed_forward_length"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": int(_meta(g, "attention.key_length") or hidden // heads),
+        "head_dim": head_dim,
         "vocab_size": int(vocab),
-        "rms_norm_eps": float(_meta(g, "attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5)),
-        "rope_theta": float(_meta(g, "rope.freq_base", default_theta)),
+        "rms_norm_eps": _meta_float(g, "attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5),
+        "rope_theta": _meta_float(g, "rope.freq_base", default_theta),
         "rope_scaling": None,
-        "max_position_embeddings": int(_meta(g, "context_length", 2048)),
+        "max_position_embeddings": _meta_int(g, "context_length", 2048),
         # llama.cpp omits output.weight when the LM head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": arch == "qwen2",
@@ -237,22 +323,18 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
     scaling_type = _meta(g, "rope.scaling.type")
     if scaling_type and scaling_type != "none":
         rs: dict[str, Any] = {"rope_type": scaling_type, "type": scaling_type,
-                              "factor": float(_meta(g, "rope.scaling.factor", 1.0))}
-        orig = _meta(g, "rope.scaling.original_context_length")
+                              "factor": _meta_float(g, "rope.scaling.factor", 1.0)}
+        orig = _meta_int(g, "rope.scaling.original_context_length")
         if orig is not None:
-            rs["original_max_position_embeddings"] = int(orig)
+            rs["original_max_position_embeddings"] = orig
         cfg["rope_scaling"] = rs
-    bos = g.fields.get("tokenizer.ggml.bos_token_id")
-    eos = g.fields.get("tokenizer.ggml.eos_token_id")
-    eot = g.fields.get("tokenizer.ggml.eot_token_id")
-    cfg["bos_token_id"] = int(bos) if bos is not None else None
-    if eos is not None and eot is not None and int(eot) != int(eos):
-        cfg["eos_token_id"] = [int(eos), int(eot)]
-    else:
-        cfg["eos_token_id"] = int(eos) if eos is not None else None
-    pad = g.fields.get("tokenizer.ggml.padding_token_id")
+    eos = _field_int(g, "tokenizer.ggml.eos_token_id")
+    eot = _field_int(g, "tokenizer.ggml.eot_token_id")
+    cfg["bos_token_id"] = _field_int(g, "tokenizer.ggml.bos_token_id")
+    cfg["eos_token_id"] = [eos, eot] if eos is not None and eot is not None and eot != eos else eos
+    pad = _field_int(g, "tokenizer.ggml.padding_token_id")
     if pad is not None:
-        cfg["pad_token_id"] = int(pad)
+        cfg["pad_token_id"] = pad
     return cfg
 
 
@@ -280,6 +362,20 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None if hf is None else f"{hf}.{kind}"
 
 
+def hf_tensor_names(g: GGUFFile) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name for every tensor that loads; ModelFileError for one with none."""
+    names = {}
+    for name in g.tensors:
+        if name in _IGNORED:
+            continue
+        hf = gguf_to_hf_name(name)
+        if hf is None:
+            raise ModelFileError(g.path, f"GGUF tensor {name!r} has no known HF equivalent "
+                                         f"for arch {g.architecture!r}")
+        names[name] = hf
+    return names
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rotary row permutation of a Q or K projection (weight or bias).
 
@@ -298,15 +394,9 @@ def iter_gguf_weights(g: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype
     permute = arch == "llama"  # qwen2's converter keeps the HF row layout
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    jobs: list[tuple[str, str]] = []
-    for name in g.tensors:
-        if name in _IGNORED:
-            logger.info("ignoring GGUF tensor %s", name)
-            continue
-        hf = gguf_to_hf_name(name)
-        if hf is None:
-            raise ValueError(f"{g.path}: GGUF tensor {name!r} has no known HF equivalent for arch {arch!r}")
-        jobs.append((name, hf))
+    jobs = list(hf_tensor_names(g).items())
+    for name in sorted(g.tensors.keys() & _IGNORED):
+        logger.info("ignoring GGUF tensor %s", name)
 
     def load(job: tuple[str, str]) -> tuple[str, torch.Tensor]:
         name, hf = job
@@ -318,7 +408,9 @@ def iter_gguf_weights(g: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype
         # F32/F16 tensors come back as views of the read-only memmap: torch needs owned memory.
         arr = arr.copy() if not arr.flags.writeable else np.ascontiguousarray(arr)
         t = torch.from_numpy(arr)
-        return hf, t if t.dtype == dtype else t.to(dtype)
+        t = t if t.dtype == dtype else t.to(dtype)
+        warn_nonfinite(t, name, g.path)
+        return hf, t
 
     # numpy releases the GIL in the dequantization kernels, so threads overlap usefully.
     threads = num_threads or min(4, os.cpu_count() or 1)

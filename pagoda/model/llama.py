@@ -170,24 +170,29 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(name)
-        expected = _expected_names(a)
-        missing = expected - loaded - {n.removeprefix("model.") for n in provided}
+        missing = weight_shapes(a).keys() - loaded - {n.removeprefix("model.") for n in provided}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
 
 
-def _expected_names(a: ModelArgs) -> set[str]:
-    names = {"embed_tokens.weight", "norm.weight"}
+def weight_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """HF weight name (without "model.") -> shape, for every weight a checkpoint of this config holds."""
+    h, inter, q, kv = a.hidden_size, a.intermediate_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (a.vocab_size, h), "norm.weight": (h,)}
     if not a.tie_word_embeddings:
-        names.add("lm_head.weight")
+        shapes["lm_head.weight"] = (a.vocab_size, h)
+    layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+             "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
+             "post_attention_layernorm.weight": (h,)}
+    if a.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        if not _is_qwen2(a):
+            layer["self_attn.o_proj.bias"] = (h,)
     for i in range(a.num_layers):
-        p = f"layers.{i}."
-        names |= {p + s for s in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")}
-        if a.attention_bias:
-            names |= {p + f"self_attn.{x}_proj.bias" for x in ("qkv" if _is_qwen2(a) else "qkvo")}
-    return names
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
 
 
 def _is_qwen2(a: ModelArgs) -> bool:
