@@ -398,6 +398,23 @@ def test_nan_weights_in_a_gguf_warn_naming_the_tensor(tiny_weights, tmp_path, ca
     assert len(warnings) == 1 and "token_embd.weight" in warnings[0] and "nan.gguf" in warnings[0], warnings
 
 
+def test_nan_weights_warn_on_the_native_gguf_path_too(tiny_weights, tmp_path, caplog) -> None:
+    from pagoda.config import EngineConfig
+    from pagoda.executor.model_runner import ModelRunner
+    from pagoda.model.args import ModelArgs
+
+    weights = dict(tiny_weights)
+    weights["model.norm.weight"] = weights["model.norm.weight"].clone()
+    weights["model.norm.weight"][3] = float("inf")
+    path = write_tiny_gguf(tmp_path / "inf.gguf", weights)
+    files = resolve_model_files(str(path))
+    with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
+        ModelRunner(EngineConfig.from_kwargs(str(path), quantization="gguf"), files,
+                    ModelArgs.from_hf_config(files.hf_config), torch.float32)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "non-finite" in r.getMessage()]
+    assert any("model.norm.weight" in w and "inf.gguf" in w for w in warnings), warnings
+
+
 def test_finite_weights_do_not_warn(tiny_llama, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
         _load(Path(tiny_llama))

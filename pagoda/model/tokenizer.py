@@ -329,8 +329,14 @@ def _convert_with_transformers(folder: str, gguf_file: str | None, out_dir: str)
     """Cold path: let transformers build the tokenizer once; persist what the hot path needs."""
     from transformers import AutoTokenizer  # lazy: slow import, only on a cache miss
 
+    from pagoda.model.errors import ModelFileError
+
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    try:
+        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    except Exception as e:  # odd tokenizer metadata in a file whose header is valid
+        raise ModelFileError(os.path.join(folder, gguf_file) if gguf_file else folder,
+                             f"cannot build its tokenizer ({type(e).__name__}: {e})") from None
     if not getattr(hf, "is_fast", False) or getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"cannot build a fast tokenizer for {folder!r}")
     hf.backend_tokenizer.save(os.path.join(out_dir, "tokenizer.json"))

@@ -41,6 +41,7 @@ def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype
         load_with_packed,
         tie_lm_head,
     )
+    from pagoda.model.loader import warn_nonfinite
     from pagoda.quantization.methods import quantize_weight
 
     group = int(files.hf_config["quantization_config"].get("group_size", 128))
@@ -50,10 +51,12 @@ def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 prefix, _, kind = name.rpartition(".")
+                t = f.get_tensor(name)
+                warn_nonfinite(t, name, path)  # scales, zeros and float weights; codes are integers
                 if kind in _PARTS:
-                    parts.setdefault(prefix, {})[kind] = f.get_tensor(name)
+                    parts.setdefault(prefix, {})[kind] = t
                 elif not name.endswith("rotary_emb.inv_freq"):
-                    floats.append((name, f.get_tensor(name).float()))
+                    floats.append((name, t.float()))
     packed: dict[str, PackedWeight] = {}
     for prefix, t in parts.items():
         missing = [p for p in _PARTS if p not in t]

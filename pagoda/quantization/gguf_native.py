@@ -44,6 +44,7 @@ def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
 
 
 def load_gguf_native(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
+    from pagoda.model.loader import warn_nonfinite
     from pagoda.quantization.loading import load_with_packed
 
     g: GGUFFile = files._gguf
@@ -69,7 +70,9 @@ def load_gguf_native(model: nn.Module, files: ModelFiles, dtype: torch.dtype) ->
         arr = g.dequantized(name)
         if permute and n_head:
             arr = unpermute_qk(arr, n_head)
-        floats.append((hf, torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)))
+        t = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
+        warn_nonfinite(t, hf, g.path)
+        floats.append((hf, t))
     embed = packed.pop("model.embed_tokens", None)
     if embed is not None:
         model.embed_tokens = QuantEmbedding(embed, dtype)

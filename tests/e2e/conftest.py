@@ -81,3 +81,26 @@ def server_process() -> Iterator[ServerProcess]:
 def server(server_process: ServerProcess, reference: dict) -> ServerProcess:
     server_process.wait_ready()
     return server_process
+
+
+@pytest.fixture(scope="module")
+def fuzz_api_key() -> str:
+    return "pagoda-fuzz-key"
+
+
+@pytest.fixture(scope="module")
+def fuzz_body_limit() -> int:
+    return 64 << 10
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(fuzz_api_key: str, fuzz_body_limit: int) -> Iterator[ServerProcess]:
+    """A ready server with small limits and an API key, for schema fuzzing."""
+    srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "256", "--max-num-seqs", "8",
+                        "--api-key", fuzz_api_key, "--max-request-body-bytes", str(fuzz_body_limit))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        os.unlink(srv.log.name)

@@ -21,13 +21,16 @@ import pagoda
 from pagoda.engine.async_engine import AsyncEngine, EngineDeadError
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagoda.entrypoints.server.openapi import PUBLIC_PATHS, install_openapi
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+                405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 
 
 @dataclass
@@ -38,6 +41,7 @@ class ServerSettings:
     drain_timeout: float = 30.0
     model_root: str | None = None
     retry_after_s: int = 1
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 class APIError(Exception):
@@ -77,19 +81,66 @@ def bad_request(e: Exception) -> APIError:
     return APIError(400, msg, _param_of(msg, _KNOWN_PARAMS))
 
 
-# ---- auth: a pure ASGI middleware, so it runs before body parsing and never wraps streaming bodies ----
+# ---- auth and body limit: pure ASGI middlewares, so they run before body parsing and never wrap
+# streaming response bodies ------------------------------------------------------------------------
 class APIKeyMiddleware:
     def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        # PUBLIC_PATHS (probes, metrics, the API docs) stay open; every other route needs the key.
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
             auth = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(auth, self.expected):
                 await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)")(
                     scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to a body over `max_bytes` before any of it is parsed, declared or streamed.
+
+    The body is read here (the app reads it whole anyway) and replayed; after it, receive() goes to the
+    client again, so disconnects still reach the handlers.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int, read_timeout_s: float = 30.0) -> None:
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_response(413, f"request body is larger than the server's limit of {self.max_bytes} "
+                                        "bytes (--max-request-body-bytes)")
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn itself refuses malformed ones
+            await too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:  # a client that declares more than it sends must not hold its slot forever
+                await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s")(
+                    scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client is gone before it finished sending
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        pending: list[dict[str, Any]] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> dict[str, Any]:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
 
 
 # ---- formatting helpers ---------------------------------------------------------------------------
@@ -212,7 +263,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         await engine.shutdown(settings.drain_timeout)
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, lifespan=lifespan)
-    if settings.api_key:
+    install_openapi(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key:  # added last, so outermost: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.state.engine = engine
     app.state.metrics = metrics
@@ -239,6 +292,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        # A bug in a handler: OpenAI's shape, never text/plain, and no internals in the message.
+        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        return error_response(500, "internal server error")
+
     # ---- shared request plumbing -------------------------------------------------------------
     def check_model(model: str | None) -> str:
         if model is None:
@@ -251,14 +310,29 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         if not engine.is_running:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(settings.retry_after_s)})
         limit = settings.max_waiting_requests
+        if limit is not None and num_new > limit:  # would never fit: retrying cannot help
+            raise APIError(400, f"{num_new} prompts in one request exceed the server's queue "
+                                f"(--max-waiting-requests {limit}); split the batch", "prompt")
         if limit is not None and engine.num_waiting + num_new > limit:
             raise APIError(503, f"too many waiting requests (limit {limit}); retry later",
                            headers={"Retry-After": str(settings.retry_after_s)})
 
-    async def submit(prompts: list[str | list[int]], params: SamplingParams,
+    async def off_loop(fn: Callable[..., Any], *args: Any, param: str = "prompt") -> Any:
+        """Tokenizing and templating take up to seconds on large input: a worker thread does them, so
+        streams and /health never wait on one request's text. Their ValueErrors are 400s."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from e
+        except UnicodeError as e:
+            raise APIError(400, f"{param}: not valid Unicode text ({e})", param) from e
+
+    def tokenize_all(prompts: list[str | list[int]]) -> list[list[int]]:
+        return [core.tokenize(p) if isinstance(p, str) else p for p in prompts]
+
+    async def submit(prompts: list[list[int]], params: SamplingParams,
                      base_id: str, cache_salt: str | None = None) -> list[tuple[str, asyncio.Queue]]:
         """Queue every prompt, or none: a bad one aborts those already queued and raises a 400."""
-        check_capacity(len(prompts))
         queued: list[tuple[str, asyncio.Queue]] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -275,34 +349,39 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         return queued
 
     async def collect(request: Request, queued: list[tuple[str, asyncio.Queue]]) -> list[RequestOutput]:
-        """Final outputs of every request; a client that goes away aborts them all."""
+        """Final outputs of every request; a client that goes away, or a cancelled handler, aborts them all."""
         async def last(rid: str, q: asyncio.Queue) -> RequestOutput | None:
             final = None
             async for out in engine.stream(rid, q):
                 final = out
             return final
 
-        work = asyncio.gather(*(last(rid, q) for rid, q in queued))
+        # Plain tasks, not gather(): a cancelled gather future holds a CancelledError nobody retrieves.
+        tasks = [asyncio.create_task(last(rid, q)) for rid, q in queued]
         watch = asyncio.create_task(_until_disconnected(request))
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                work.cancel()
-                for rid, _ in queued:
-                    engine.abort(rid)
-                raise APIError(499, "client disconnected")
-            results = work.result()
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from e
-        except APIError:
-            raise
-        except Exception as e:  # the engine failed this request (a step raised): 500 for it alone
-            logger.exception("request %s failed", queued[0][0] if queued else "?")
-            raise APIError(500, f"internal error while generating: {e}") from e
+            pending: set[asyncio.Task] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:
+                    raise APIError(499, "client disconnected")
+                pending.discard(watch)
         finally:
-            watch.cancel()
+            for t in (watch, *tasks):
+                t.cancel()
+            for rid, _ in queued:  # no-op for finished requests; frees the KV blocks of the rest at once
+                engine.abort(rid)
+        for t in tasks:
+            error = t.exception()
+            if isinstance(error, EngineDeadError):
+                raise APIError(503, str(error), headers={"Retry-After": str(settings.retry_after_s)}) from error
+            if error is not None:  # the engine failed this request alone: a 500 for it
+                logger.error("request %s failed: %s", queued[0][0] if queued else "?", error)
+                raise APIError(500, f"internal error while generating: {error}") from error
+        results = [t.result() for t in tasks]
         if any(r is None or not r.finished for r in results):
-            raise APIError(503, "the request was aborted (server shutting down)")
+            raise APIError(503, "the request was aborted (server shutting down)",
+                           headers={"Retry-After": str(settings.retry_after_s)})
         return results  # type: ignore[return-value]
 
     def usage_of(outs: list[RequestOutput]) -> P.Usage:
@@ -369,8 +448,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             prompts = req.prompts()
         except ValueError as e:
             raise bad_request(e) from e
+        check_capacity(len(prompts))
+        prompt_ids = await off_loop(tokenize_all, prompts)
         base_id = P.random_id("cmpl")
-        queued = await submit(prompts, params, base_id, req.cache_salt)
+        queued = await submit(prompt_ids, params, base_id, req.cache_salt)
         n = params.n
         prompt_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if req.echo else []
 
@@ -449,12 +530,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         return sse_response(stream_events(request, queued, make_chunks, [], chunk if include_usage else None))
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
-    def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
-            raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from e
-        return tokenizer.encode(text, add_special_tokens=False)
+    async def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        def render() -> list[int]:
+            try:
+                return core.tokenize_chat(messages, add_generation_prompt)
+            except (ValueError, UnicodeError):
+                raise
+            except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
+                raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+        return await off_loop(render, param="messages")
 
     @v1.post("/chat/completions", response_model=None)
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
@@ -464,7 +549,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             conversation = req.conversation()
         except ValueError as e:
             raise bad_request(e) from e
-        prompt_ids = chat_prompt(conversation, req.add_generation_prompt)
+        check_capacity(1)
+        prompt_ids = await chat_prompt(conversation, req.add_generation_prompt)
         base_id = P.random_id("chatcmpl")
         queued = await submit([prompt_ids], params, base_id, req.cache_salt)
         n = params.n
@@ -547,9 +633,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                 conv = P.ChatCompletionRequest(messages=req.messages).conversation()
             except ValueError as e:
                 raise bad_request(e) from e
-            ids = chat_prompt(conv, req.add_generation_prompt)
+            ids = await chat_prompt(conv, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await off_loop(core.tokenize, req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return P.TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=list(ids))
@@ -560,7 +646,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         vocab = core.args.vocab_size
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens must be in [0, {vocab})", "tokens")
-        return P.DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
+        return P.DetokenizeResponse(prompt=await off_loop(tokenizer.decode, req.tokens, param="tokens"))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

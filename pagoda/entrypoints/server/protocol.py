@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 from pagoda.model.tokenizer import iter_strings
 from pagoda.sampling_params import SamplingParams
@@ -61,7 +61,7 @@ class _SamplingFields(_Model):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
@@ -98,7 +98,8 @@ class _SamplingFields(_Model):
 
 # ---- /v1/completions --------------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # StrictInt: a JSON true is not token id 1.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -303,7 +304,7 @@ class TokenizeResponse(_Model):
 
 class DetokenizeRequest(_Model):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(_Model):

@@ -1,0 +1,155 @@
+"""The OpenAPI document as the server behaves, not as FastAPI guesses.
+
+FastAPI declares a 422 with its own validation body on every route that takes input, and knows nothing of
+what the handlers answer themselves. The server answers every error in OpenAI's shape (`ErrorResponse`)
+with a 400 for invalid input, streams server-sent events when `stream` is true, and returns bare bodies
+from its operational routes. `install_openapi` rewrites the generated document once, on first request.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from pagoda.entrypoints.server import protocol as P
+from pagoda.entrypoints.server.metrics import CONTENT_TYPE
+
+_REF = "#/components/schemas/{model}"
+_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+_FASTAPI_SCHEMAS = ("HTTPValidationError", "ValidationError")
+
+# No API key needed here, even when the server runs with --api-key.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                          "/redoc"})
+
+# Routes that generate: their JSON body and one chunk of their event stream (`stream: true`).
+GENERATION_ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "/v1/completions": (P.CompletionResponse, P.CompletionStreamResponse),
+    "/v1/chat/completions": (P.ChatCompletionResponse, P.ChatCompletionStreamResponse),
+}
+
+# Routes whose handler returns a bare Response, so FastAPI cannot see the 200: its content ({} = no body).
+PLAIN_OK: dict[str, dict[str, Any]] = {
+    "/health": {},
+    "/reset_prefix_cache": {},
+    "/metrics": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
+}
+
+# Error statuses a route answers besides those the rules in `_error_statuses` find.
+EXTRA_ERRORS: dict[str, frozenset[int]] = {"/health": frozenset({503})}
+
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON, a field of the wrong type, or a value out of range",
+    401: "Missing or wrong API key (only when the server runs with --api-key)",
+    404: "The model is not served",
+    408: "The request body did not arrive in time",
+    413: "Request body over the size limit",
+    500: "The engine failed while generating this request",
+    503: "Shutting down, engine stopped, or too many waiting requests; Retry-After says when to retry",
+}
+
+_SECURITY_SCHEME = {"type": "http", "scheme": "bearer",
+                    "description": "Required only when the server runs with --api-key (or $PAGODA_API_KEY)"}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make `app.openapi()` (and /openapi.json, /docs) return the rewritten document."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = truthful(copy.deepcopy(generate()))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def truthful(doc: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite a FastAPI-generated document in place (and return it) to match the server's answers."""
+    components = doc.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    _add_models(schemas, [P.ErrorResponse, *(m for pair in GENERATION_ROUTES.values() for m in pair)])
+    protected = False
+    for path, item in doc.get("paths", {}).items():
+        for method, op in item.items():
+            if method not in _METHODS:
+                continue
+            responses = op.setdefault("responses", {})
+            if path in PLAIN_OK:
+                responses["200"] = _ok(PLAIN_OK[path])
+            if path in GENERATION_ROUTES:
+                full, chunk = GENERATION_ROUTES[path]
+                responses["200"] = _ok({"application/json": {"schema": _ref(full.__name__)},
+                                        "text/event-stream": {"schema": _sse_event(chunk.__name__)}})
+            invalid = responses.pop("422", None) is not None  # FastAPI's validation error: the server answers 400
+            for status in sorted(_error_statuses(path, op, schemas, invalid)):
+                responses[str(status)] = _error(status)
+            if path not in PUBLIC_PATHS:
+                op["security"] = [{"bearerAuth": []}]
+                protected = True
+            op["responses"] = dict(sorted(responses.items()))
+    if protected:
+        components.setdefault("securitySchemes", {})["bearerAuth"] = _SECURITY_SCHEME
+    for name in _FASTAPI_SCHEMAS:  # only the 422s used them
+        schemas.pop(name, None)
+    return doc
+
+
+def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], invalid: bool) -> set[int]:
+    """The error statuses an operation answers; `invalid`: it validates input (FastAPI declared a 422)."""
+    statuses = set(EXTRA_ERRORS.get(path, ()))
+    if invalid:
+        statuses.add(400)
+    if path not in PUBLIC_PATHS:
+        statuses.add(401)
+    if "model" in _body_properties(op, schemas):
+        statuses.add(404)
+    statuses |= {408, 413}  # the body limit and read timeout hold for every request, read before routing
+    if path in GENERATION_ROUTES:
+        statuses |= {400, 500, 503}
+    return statuses
+
+
+def _body_properties(op: dict[str, Any], schemas: dict[str, Any]) -> dict[str, Any]:
+    schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    ref = schema.get("$ref", "")
+    if ref.startswith("#/components/schemas/"):
+        schema = schemas.get(ref.rsplit("/", 1)[1], {})
+    return schema.get("properties", {})
+
+
+def _add_models(schemas: dict[str, Any], models: list[type[BaseModel]]) -> None:
+    """Add the models' JSON schemas (and the models they nest) as components, as a client reads them."""
+    _, top = models_json_schema([(m, "serialization") for m in dict.fromkeys(models)], ref_template=_REF)
+    for name, schema in top.get("$defs", {}).items():
+        schemas.setdefault(name, schema)
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _sse_event(chunk: str) -> dict[str, Any]:
+    """One server-sent event: `data:` holds a chunk, an error (a failure after the 200), or `[DONE]`."""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]}},
+            "description": f"`data: <{chunk} JSON>` per chunk, then `data: [DONE]`"}
+
+
+def _ok(content: dict[str, Any]) -> dict[str, Any]:
+    return {"description": "Successful Response", **({"content": content} if content else {})}
+
+
+def _error(status: int) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": ERROR_DESCRIPTIONS[status],
+                                "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    if status == 503:
+        response["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                               "schema": {"type": "integer"}}}
+    return response
+
