@@ -110,6 +110,7 @@ class EngineConfig:
     quantization: str | None = None  # weight quantization method (pagoda.quantization), None = as stored
     quantization_group_size: int = 128  # int4 group size (32, 64 or 128; smaller where K needs it)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram"|"draft_model"|"self", ...}
+    structured_outputs_backend: str = "auto"  # grammar library for structured outputs: auto, xgrammar
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -119,7 +120,7 @@ class EngineConfig:
         cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
-                    "quantization_group_size"}
+                    "quantization_group_size", "structured_outputs_backend"}
         unknown = set(kw) - cache_keys - sched_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -151,3 +152,8 @@ class EngineConfig:
                              f"supported; choose one of {GROUP_SIZES}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        from pagoda.structured.manager import BACKENDS
+
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")

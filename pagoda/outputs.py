@@ -50,3 +50,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (finish_reason "error"); None otherwise
+    error_status: int = 500   # 400 where the request itself was at fault (its constraint), as HTTP reads it

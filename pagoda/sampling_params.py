@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagoda.structured.params import StructuredOutputsParams
+
 # Integers the engine hands to torch must fit int64 (seeds: torch.Generator's signed range).
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -28,6 +30,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # A JSON schema, regex, choice or grammar the output must match (pagoda.structured); a dict of its fields.
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -36,6 +40,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     @property

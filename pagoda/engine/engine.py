@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent import futures
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.speculator import Speculator
+from pagoda.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +65,9 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.args.vocab_size,
+                                                  config.structured_outputs_backend)
+        self._awaiting_grammar: list[Request] = []  # structured requests whose grammar still compiles
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -112,9 +117,41 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))
-        self.scheduler.add(req.seqs[0])
+        if params.structured_outputs is not None:
+            req.grammar = self.structured.compile(params.structured_outputs)
+            if req.grammar.done() and req.grammar.exception() is not None:
+                raise ValueError(str(req.grammar.exception()))
+            self._awaiting_grammar.append(req)  # scheduled once its grammar is ready (_admit_grammars)
+        else:
+            self.scheduler.add(req.seqs[0])
         self.requests[rid] = req
         return req
+
+    def compile_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (blocking, thread-safe): a constraint that cannot compile
+        raises ValueError here, so a server can answer 400 before queueing. The result is cached."""
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs).result()
+
+    def _admit_grammars(self) -> list[Request]:
+        """Schedule the structured requests whose grammar is ready; return those whose grammar failed."""
+        failed = []
+        for req in [r for r in self._awaiting_grammar if r.grammar is not None and r.grammar.done()]:
+            self._awaiting_grammar.remove(req)
+            error = req.grammar.exception()  # type: ignore[union-attr]
+            if error is not None:
+                self._fail_request(req, str(error), 400)  # the client's own constraint: theirs to see
+                failed.append(req)
+                continue
+            req.seqs[0].matcher = self.structured.matcher(req.grammar.result())  # type: ignore[union-attr]
+            self.scheduler.add(req.seqs[0])
+        return failed
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        if not seq.matcher.accept(seq.token_ids[-1]):  # type: ignore[union-attr]
+            raise RuntimeError(f"sampled token {seq.token_ids[-1]} that its grammar forbids")
+        if seq.finish_reason is None and seq.matcher.is_terminated():  # type: ignore[union-attr]
+            seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids. Thread-safe. A text too long to fit max_model_len whatever its tokens
@@ -163,6 +200,8 @@ class LLMEngine:
         if req is None:
             return
         req.aborted = True
+        if req in self._awaiting_grammar:
+            self._awaiting_grammar.remove(req)
         for seq in req.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
@@ -200,13 +239,16 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
+        touched: dict[str, Request] = {r.request_id: r for r in self._admit_grammars()}
         if self.speculator is not None:  # proposals first: the scheduler budgets and allocates for them
             self.speculator.propose(self.scheduler, self.max_model_len)
         sched = self.scheduler.schedule()
         if not sched:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler is stuck: a waiting request cannot get KV blocks")
-            return []
+            if self._awaiting_grammar and not touched:  # nothing else to do: wait a moment, don't spin
+                futures.wait([r.grammar for r in self._awaiting_grammar], 0.01, futures.FIRST_COMPLETED)
+            return [self._final_output(r) for r in touched.values()]
         self._step_seqs = list(sched.seqs)
         now = time.time()
         for seq in sched.seqs:
@@ -216,7 +258,6 @@ class LLMEngine:
         t_fwd = time.perf_counter()
         out = self.runner.execute(sched, self.kv.block_tables)
         t_fwd = time.perf_counter() - t_fwd
-        touched: dict[str, Request] = {}
         self._record_prompt_logprobs(sched, out.prompt_logits, touched)
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
             if row in out.spec_logits or seq.finished:
@@ -232,6 +273,8 @@ class LLMEngine:
                 out.sample_logits[torch.tensor(row_ids)]
             for seq, sampled in self._sample(seqs, logits, touched):
                 self._guarded(seq.request, touched, self.outputs.append_tokens, [seq], sampled)
+                if seq.matcher is not None:
+                    self._guarded(seq.request, touched, self._advance_grammar, seq)
                 touched[seq.request.request_id] = seq.request
                 if seq.finish_reason is not None and not seq.finished:
                     self.scheduler.finish(seq)
@@ -261,6 +304,19 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 touched: dict[str, Request]) -> list[tuple[Sequence, SamplerOutput]]:
         """One batched sampler call; if it fails, each row alone, so that a bad row fails its request only."""
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:  # only those rows are touched: the others stay bit-identical
+            dead = self.structured.mask_logits(logits, constrained, [seqs[i].matcher for i in constrained])
+            for i in dead:  # e.g. a character no token of this vocabulary spells
+                seq = seqs[i]
+                self._fail_request(seq.request, "structured_outputs: the constraint allows no next token of this "
+                                   f"model's vocabulary after {seq.num_output_tokens} tokens", 400)
+                touched[seq.request.request_id] = seq.request
+            if dead:
+                keep = [i for i in range(len(seqs)) if not seqs[i].finished]
+                seqs, logits = [seqs[i] for i in keep], logits[keep]
+                if not seqs:
+                    return []
         try:
             sampled = self.sampler(logits, self._sampling_batch(seqs))
         except Exception:
@@ -287,9 +343,10 @@ class LLMEngine:
             touched[req.request_id] = req
             return None
 
-    def _fail_request(self, req: Request) -> None:
+    def _fail_request(self, req: Request, error: str = "internal error while processing this request",
+                      status: int = 500) -> None:
         """Finish every sequence of req with finish_reason "error" and free its KV blocks at once."""
-        req.error = "internal error while processing this request"
+        req.error, req.error_status = error, status
         req.aborted = True  # its n siblings may not all exist yet: finished means all that do
         for seq in req.seqs:
             if not seq.finished:
@@ -302,7 +359,7 @@ class LLMEngine:
         outs = [CompletionOutput(index=s.index, text=s.text, token_ids=list(s.output_token_ids),
                                  finish_reason=s.finish_reason or "error") for s in req.seqs]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True,
-                             metrics=req.metrics, error=req.error)
+                             metrics=req.metrics, error=req.error, error_status=req.error_status)
 
     def _fork_parallel_samples(self, sched: SchedulerOutput, sample_rows: list[int]) -> list[tuple[Sequence, int]]:
         """(seq, logits row) pairs to sample. n > 1: once seq 0 has the prompt's KV, fork n-1 siblings
@@ -317,6 +374,7 @@ class LLMEngine:
             if seq.index == 0 and len(req.seqs) < req.params.n and seq.num_output_tokens == 0:
                 for _ in range(req.params.n - 1):
                     child = self._new_sequence(req, list(seq.token_ids))
+                    child.matcher = seq.matcher.fork() if seq.matcher is not None else None
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.kv.fork(seq.seq_id, child.seq_id)
                     self.scheduler.add_running(child)
@@ -325,8 +383,10 @@ class LLMEngine:
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.request.params for s in seqs]
-        banned = [sorted(s.request.stop_ids) if s.num_output_tokens < p.min_tokens else []
-                  for s, p in zip(seqs, params)]
+        # Below min_tokens stop ids are banned, except where a constraint is complete: its end wins (it
+        # may allow nothing but the stop token).
+        banned = [sorted(s.request.stop_ids) if s.num_output_tokens < p.min_tokens
+                  and (s.matcher is None or not s.matcher.is_completed()) else [] for s, p in zip(seqs, params)]
         batch = SamplingBatch(params=params, generators=[s.generator for s in seqs],
                               output_token_ids=[], prompt_token_ids=[], banned_token_ids=banned)
         if batch.any_penalty:  # histories are only gathered when some row needs them

@@ -12,7 +12,10 @@ from pagoda.outputs import Logprob, PositionLogprobs, RequestMetrics
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from pagoda.model.tokenizer import IncrementalDecoder
+    from pagoda.structured.backend import Matcher
 
 
 class SeqStatus(enum.Enum):
@@ -41,6 +44,7 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache at last admission
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify this step (speculative decoding)
+    matcher: "Matcher | None" = None  # its grammar's state, for a structured-output request
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +78,8 @@ class Request:
     cache_salt: str | None = None   # isolates this tenant's prefix cache entries
     stop_ids: set[int] = field(default_factory=set)  # token ids that end a sequence (EOS unless ignored)
     error: str | None = None        # set when the engine failed this request (finish_reason "error")
+    error_status: int = 500         # 400: the request's own fault (its constraint); 500: the engine's
+    grammar: "Future | None" = None  # its compiled grammar (structured outputs), ready before it is scheduled
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=time.time())

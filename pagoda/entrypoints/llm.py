@@ -42,6 +42,8 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompt_list):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        for p in {id(p): p for p in params}.values():  # a constraint that cannot compile is a ValueError
+            self.engine.compile_structured(p)
         ids = []
         try:
             for prompt, p in zip(prompt_list, params):

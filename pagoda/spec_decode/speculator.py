@@ -149,7 +149,7 @@ class Speculator:
                 continue
             # Emitting k + 1 tokens must stay within max_tokens, and the k KV positions within the context.
             k = min(K, seq.request.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
-            if k > 0:
+            if k > 0 and seq.matcher is None:  # structured outputs: proposals would bypass the grammar
                 cands.append(seq)
                 max_ks.append(k)
         if not cands:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
-from pagoda.engine.async_engine import AsyncEngine, EngineDeadError
+from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.entrypoints.server.openapi import PUBLIC_PATHS, install_openapi
@@ -327,6 +327,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         except UnicodeError as e:
             raise APIError(400, f"{param}: not valid Unicode text ({e})", param) from e
 
+    async def compile_constraint(params: SamplingParams) -> None:
+        """A grammar compiles on a worker thread (cached by its text): a bad one is this request's 400,
+        and the engine then finds it ready, so the step loop never waits on a compiler."""
+        if params.structured_outputs is not None:
+            await off_loop(core.compile_structured, params, param="response_format")
+
     def tokenize_all(prompts: list[str | list[int]]) -> list[list[int]]:
         return [core.tokenize(p) if isinstance(p, str) else p for p in prompts]
 
@@ -375,6 +381,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             error = t.exception()
             if isinstance(error, EngineDeadError):
                 raise APIError(503, str(error), headers={"Retry-After": str(settings.retry_after_s)}) from error
+            if isinstance(error, RequestFailedError) and error.status == 400:  # its own constraint
+                raise APIError(400, str(error), "response_format") from error
             if error is not None:  # the engine failed this request alone: a 500 for it
                 logger.error("request %s failed: %s", queued[0][0] if queued else "?", error)
                 raise APIError(500, f"internal error while generating: {error}") from error
@@ -422,6 +430,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             raise
         except EngineDeadError as e:
             yield _sse(error_body(503, str(e)))
+        except RequestFailedError as e:
+            if e.status != 400:
+                logger.error("streaming request %s failed: %s", queued[0][0] if queued else "?", e)
+            yield _sse(error_body(e.status, str(e) if e.status == 400 else f"internal error while generating: {e}"))
         except Exception as e:
             logger.exception("streaming request %s failed", queued[0][0] if queued else "?")
             yield _sse(error_body(500, f"internal error while generating: {e}"))
@@ -449,6 +461,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         except ValueError as e:
             raise bad_request(e) from e
         check_capacity(len(prompts))
+        await compile_constraint(params)
         prompt_ids = await off_loop(tokenize_all, prompts)
         base_id = P.random_id("cmpl")
         queued = await submit(prompt_ids, params, base_id, req.cache_salt)
@@ -550,6 +563,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         except ValueError as e:
             raise bad_request(e) from e
         check_capacity(1)
+        await compile_constraint(params)
         prompt_ids = await chat_prompt(conversation, req.add_generation_prompt)
         base_id = P.random_id("chatcmpl")
         queued = await submit([prompt_ids], params, base_id, req.cache_salt)

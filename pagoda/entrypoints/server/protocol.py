@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 
 from pagoda.model.tokenizer import iter_strings
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 
@@ -66,6 +67,43 @@ class _SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     cache_salt: str | None = None  # keeps this tenant's prefix-cache entries apart
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, from whichever field names it (ValueError if several do)."""
+        named = {"structured_outputs": self.structured_outputs} if self.structured_outputs else {}
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if v is not None}
+        if guided:
+            named["guided_*"] = guided
+        fmt = self.response_format or {}
+        kind = fmt.get("type")
+        if kind == "json_object":
+            named["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format: json_schema.schema must be a JSON schema object")
+            named["response_format"] = {"json": schema}
+        elif kind not in (None, "text"):
+            raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+        if len(named) > 1:
+            raise ValueError(f"structured_outputs: give one constraint, got {' and '.join(named)}")
+        if not named:
+            return None
+        (fields,) = named.values()
+        unknown = set(fields) - set(StructuredOutputsParams.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
+        return StructuredOutputsParams(**fields)
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; raises ValueError naming the bad parameter."""
@@ -93,6 +131,7 @@ class _SamplingFields(_Model):
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self._structured(),
         )
 
 
@@ -193,7 +232,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
@@ -201,8 +239,6 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format: only type 'text' is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,78 @@
+"""StructuredOutputManager: compiles constraints off the step loop and fills one bitmask per step.
+
+Compiling runs in a small thread pool and is cached by the constraint's text, so the same schema compiles
+once; a request waits outside the scheduler until its grammar is ready while other requests keep running.
+Each step fills one bitmask for all constrained rows and applies it to those rows' logits only: the other
+rows of the batch are not touched, so they are bit-identical to a batch without constrained rows.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from pagoda.structured.backend import GrammarBackend, Matcher
+from pagoda.structured.params import StructuredOutputsParams
+
+BACKENDS = ("auto", "xgrammar")
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, backend: str = "auto", cache_size: int = 512) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
+        self._backend: GrammarBackend | None = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagoda-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache_size = cache_size
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """Built on first use: importing xgrammar and reading the vocabulary takes about a second."""
+        with self._lock:
+            if self._backend is None:
+                from pagoda.structured.xgrammar_backend import XGrammarBackend
+
+                self._backend = XGrammarBackend(self._tokenizer.backend, self._vocab_size,
+                                                sorted(self._tokenizer.stop_token_ids))
+            return self._backend
+
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of `params`, as a Future (done at once on a cache hit). Thread-safe."""
+        key = params.key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(lambda: self.backend.compile(params))
+            self._cache[key] = fut
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return fut
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return self.backend.matcher(compiled)
+
+    def mask_logits(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> list[int]:
+        """Forbid, in place, what each matcher's grammar forbids next in its row of `logits`; return the
+        rows whose grammar allows no token at all (they cannot go on)."""
+        backend = self.backend
+        bitmask = backend.allocate_bitmask(len(rows))
+        for i, m in enumerate(matchers):
+            m.fill_bitmask(bitmask, i)
+        dead = [rows[i] for i in (bitmask == 0).all(dim=1).nonzero().flatten().tolist()]
+        if logits.dtype == torch.float32 and rows == list(range(logits.shape[0])):
+            backend.apply_bitmask(logits, bitmask)
+            return dead
+        # The mask kernel takes fp32; bf16 -> fp32 -> bf16 is exact for the values it leaves.
+        index = torch.tensor(rows)
+        sub = logits.index_select(0, index).float()
+        backend.apply_bitmask(sub, bitmask)
+        logits.index_copy_(0, index, sub.to(logits.dtype))
+        return dead
