@@ -35,7 +35,7 @@ sys.meta_path.insert(0, _Absent())
 """
 
 COMMANDS = [["generate"], ["chat"], ["serve"], ["quantize"], ["bench"], ["bench", "throughput"],
-            ["bench", "serve"], ["bench", "quant"], ["eval"], ["eval", "perplexity"]]
+            ["bench", "serve"], ["bench", "quant"], ["bench", "structured"], ["eval"], ["eval", "perplexity"]]
 
 
 def _run_cli(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:

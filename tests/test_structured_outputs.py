@@ -150,3 +150,15 @@ def test_a_complete_constraint_ends_even_below_min_tokens(smollm_llm: LLM) -> No
     (out,) = smollm_llm.generate(["Answer:"], _params({"choice": ["yes", "no"]}, min_tokens=6, max_tokens=8),
                                  use_tqdm=False)
     assert out.error is None and out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+
+
+def test_bench_structured_reports_both_runs(tmp_path) -> None:
+    from pagoda.entrypoints.cli import main
+
+    out = tmp_path / "structured.json"
+    assert main(["bench", "structured", "--dtype", "float32", "--num-prompts", "4", "--concurrency", "4",
+                 "--max-tokens", "24", "--kv-cache-memory", "64MiB", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["concurrency"] == 4 and run["output_tokens"] > 0 and run["ratio"] > 0
+    assert run["mask_ms_per_step"] > 0 and report["compile_ms"]["cached"] < report["compile_ms"]["new_schema"]

@@ -58,6 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(default: none)")
+    p.add_argument("--structured-outputs-backend", default=None, choices=["auto", "xgrammar"],
+                   help="grammar library for structured outputs (default: auto = xgrammar)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def _json_object(text: str) -> dict[str, Any]:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
-            "quantization_group_size"]
+            "quantization_group_size", "structured_outputs_backend"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -237,6 +239,7 @@ _BENCH = {
     "throughput": ("pagoda.bench.throughput", "offline throughput benchmark (vs HF, roofline)"),
     "serve": ("pagoda.bench.serve", "load generator for any OpenAI-compatible server"),
     "quant": ("pagoda.bench.quant_table", "weight formats side by side: bytes, perplexity, decode, throughput"),
+    "structured": ("pagoda.bench.structured", "JSON-schema requests against the same work unconstrained"),
 }
 _EVAL = {
     "perplexity": ("pagoda.eval.perplexity", "sliding-window perplexity of a text file"),

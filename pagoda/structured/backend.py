@@ -45,5 +45,8 @@ class GrammarBackend(Protocol):
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor: ...
 
+    def fill_bitmask(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
+        """bitmask[i] = what matchers[i] allows next, for all rows in one call (the library may thread it)."""
+
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Set the logits of forbidden tokens to -inf, in place, row i by bitmask[i]."""

@@ -8,8 +8,10 @@ rows of the batch are not touched, so they are bit-identical to a batch without 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +20,14 @@ from pagoda.structured.backend import GrammarBackend, Matcher
 from pagoda.structured.params import StructuredOutputsParams
 
 BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass
+class MaskStats:
+    """Running totals of the per-step mask work (filling and applying), for benchmarks."""
+    steps: int = 0
+    rows: int = 0
+    seconds: float = 0.0
 
 
 class StructuredOutputManager:
@@ -30,6 +40,7 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagoda-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._cache_size = cache_size
+        self.stats = MaskStats()
 
     @property
     def backend(self) -> GrammarBackend:
@@ -62,10 +73,18 @@ class StructuredOutputManager:
     def mask_logits(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> list[int]:
         """Forbid, in place, what each matcher's grammar forbids next in its row of `logits`; return the
         rows whose grammar allows no token at all (they cannot go on)."""
+        t0 = time.perf_counter()
+        try:
+            return self._mask(logits, rows, matchers)
+        finally:
+            self.stats.steps += 1
+            self.stats.rows += len(rows)
+            self.stats.seconds += time.perf_counter() - t0
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> list[int]:
         backend = self.backend
         bitmask = backend.allocate_bitmask(len(rows))
-        for i, m in enumerate(matchers):
-            m.fill_bitmask(bitmask, i)
+        backend.fill_bitmask(matchers, bitmask)
         dead = [rows[i] for i in (bitmask == 0).all(dim=1).nonzero().flatten().tolist()]
         if logits.dtype == torch.float32 and rows == list(range(logits.shape[0])):
             backend.apply_bitmask(logits, bitmask)
