@@ -4,7 +4,8 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "__version__"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: importing pagoda stays cheap

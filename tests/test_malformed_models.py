@@ -411,7 +411,8 @@ def test_nan_weights_warn_on_the_native_gguf_path_too(tiny_weights, tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
         ModelRunner(EngineConfig.from_kwargs(str(path), quantization="gguf"), files,
                     ModelArgs.from_hf_config(files.hf_config), torch.float32)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "non-finite" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "non-finite" in r.getMessage()]
     assert any("model.norm.weight" in w and "inf.gguf" in w for w in warnings), warnings
 
 

@@ -46,7 +46,8 @@ def test_json_schema_outputs_validate_under_sampling_and_n(smollm_llm: LLM) -> N
     ({"choice": ["red", "green", "dark blue", "a.b (c)"]}, lambda t: t in ["red", "green", "dark blue", "a.b (c)"]),
     ({"grammar": 'root ::= num " + " num " = " num\nnum ::= [1-9] [0-9]?'},
      lambda t: re.fullmatch(r"[1-9][0-9]? \+ [1-9][0-9]? = [1-9][0-9]?", t)),
-    ({"grammar": 'start: WORD ("," WORD)~1..3\nWORD: /[a-z]{1,8}/'}, lambda t: re.fullmatch(r"[a-z]{1,8}(,[a-z]{1,8}){1,3}", t)),
+    ({"grammar": 'start: WORD ("," WORD)~1..3\nWORD: /[a-z]{1,8}/'},
+     lambda t: re.fullmatch(r"[a-z]{1,8}(,[a-z]{1,8}){1,3}", t)),
     ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
 ])
 def test_regex_choice_grammar_and_json_object_outputs_match(smollm_llm: LLM, constraint: dict, check) -> None:  # noqa: ANN001
@@ -83,7 +84,8 @@ def test_mask_equals_the_backends_own(smollm_llm: LLM) -> None:
         xgr.apply_token_bitmask_inplace(expected.unsqueeze(0), bitmask)
         before = logits.clone()
         manager.mask_logits(logits, [1], [ours])
-        assert torch.equal(logits[1], expected) and torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+        assert torch.equal(logits[1], expected)
+        assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
         assert ours.accept(token) and theirs.accept_token(token)
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from concurrent import futures
 import time
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,6 +68,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.args.vocab_size,
                                                   config.structured_outputs_backend)
         self._awaiting_grammar: list[Request] = []  # structured requests whose grammar still compiles
+        self._step_seqs: list[Sequence] | None = None  # the running step's sequences, failed together if need be
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -224,7 +225,7 @@ class LLMEngine:
         that cannot be attributed (scheduling, the forward pass) fails the requests of this step, and the
         engine goes on with the rest.
         """
-        self._step_seqs: list[Sequence] | None = None
+        self._step_seqs = None
         try:
             return self._step()
         except Exception:

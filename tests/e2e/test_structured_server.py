@@ -90,8 +90,10 @@ def test_json_object_streamed_assembles_to_an_object(client: openai.OpenAI) -> N
 
 @pytest.mark.parametrize("extra, check", [
     ({"structured_outputs": {"regex": r"\d{3}-\d{4}"}}, lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
-    ({"guided_regex": r"(yes|no), because [a-z ]{1,20}\."}, lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", t)),
-    ({"structured_outputs": {"choice": ["Paris", "London", "New York"]}}, lambda t: t in ("Paris", "London", "New York")),
+    ({"guided_regex": r"(yes|no), because [a-z ]{1,20}\."},
+     lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", t)),
+    ({"structured_outputs": {"choice": ["Paris", "London", "New York"]}},
+     lambda t: t in ("Paris", "London", "New York")),
     ({"guided_choice": ["positive", "negative"]}, lambda t: t in ("positive", "negative")),
     ({"structured_outputs": {"grammar": 'root ::= "(" [0-9] " " ("+" | "-") " " [0-9] ")"'}},
      lambda t: re.fullmatch(r"\([0-9] [+-] [0-9]\)", t)),
