@@ -48,6 +48,12 @@ class SamplingParams:
         self.validate()
 
     @property
+    def constraint(self) -> StructuredOutputsParams | None:
+        """structured_outputs as StructuredOutputsParams (__post_init__ turns a dict into one)."""
+        assert not isinstance(self.structured_outputs, dict)
+        return self.structured_outputs
+
+    @property
     def stop_strings(self) -> list[str]:
         return self._stop
 

@@ -118,8 +118,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))
-        if params.structured_outputs is not None:
-            req.grammar = self.structured.compile(params.structured_outputs)
+        if params.constraint is not None:
+            req.grammar = self.structured.compile(params.constraint)
             if req.grammar.done() and req.grammar.exception() is not None:
                 raise ValueError(str(req.grammar.exception()))
             self._awaiting_grammar.append(req)  # scheduled once its grammar is ready (_admit_grammars)
@@ -131,8 +131,8 @@ class LLMEngine:
     def compile_structured(self, params: SamplingParams) -> None:
         """Compile the request's grammar now (blocking, thread-safe): a constraint that cannot compile
         raises ValueError here, so a server can answer 400 before queueing. The result is cached."""
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs).result()
+        if params.constraint is not None:
+            self.structured.compile(params.constraint).result()
 
     def _admit_grammars(self) -> list[Request]:
         """Schedule the structured requests whose grammar is ready; return those whose grammar failed."""
@@ -248,7 +248,8 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler is stuck: a waiting request cannot get KV blocks")
             if self._awaiting_grammar and not touched:  # nothing else to do: wait a moment, don't spin
-                futures.wait([r.grammar for r in self._awaiting_grammar], 0.01, futures.FIRST_COMPLETED)
+                futures.wait([r.grammar for r in self._awaiting_grammar if r.grammar is not None], 0.01,
+                             futures.FIRST_COMPLETED)
             return [self._final_output(r) for r in touched.values()]
         self._step_seqs = list(sched.seqs)
         now = time.time()
@@ -307,7 +308,8 @@ class LLMEngine:
         """One batched sampler call; if it fails, each row alone, so that a bad row fails its request only."""
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:  # only those rows are touched: the others stay bit-identical
-            dead = self.structured.mask_logits(logits, constrained, [seqs[i].matcher for i in constrained])
+            matchers = [m for i in constrained if (m := seqs[i].matcher) is not None]
+            dead = self.structured.mask_logits(logits, constrained, matchers)
             for i in dead:  # e.g. a character no token of this vocabulary spells
                 seq = seqs[i]
                 self._fail_request(seq.request, "structured_outputs: the constraint allows no next token of this "

@@ -46,12 +46,13 @@ class StructuredOutputManager:
     def backend(self) -> GrammarBackend:
         """Built on first use: importing xgrammar and reading the vocabulary takes about a second."""
         with self._lock:
-            if self._backend is None:
+            backend = self._backend
+            if backend is None:
                 from pagoda.structured.xgrammar_backend import XGrammarBackend
 
-                self._backend = XGrammarBackend(self._tokenizer.backend, self._vocab_size,
-                                                sorted(self._tokenizer.stop_token_ids))
-            return self._backend
+                backend = self._backend = XGrammarBackend(self._tokenizer.backend, self._vocab_size,
+                                                          sorted(self._tokenizer.stop_token_ids))
+            return backend
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar of `params`, as a Future (done at once on a cache hit). Thread-safe."""

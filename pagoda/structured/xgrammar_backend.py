@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from pagoda.structured.backend import Matcher
 from pagoda.structured.params import StructuredOutputsParams
 
 
@@ -52,17 +53,17 @@ class XGrammarBackend:
         try:
             if kind == "json":
                 # Compact JSON (", " and ": "): free whitespace lets small models loop on spaces.
-                return c.compile_json_schema(params.json, any_whitespace=False)
+                return c.compile_json_schema(str(params.json), any_whitespace=False)
             if kind == "json_object":  # OpenAI's json_object: any JSON object (not any JSON value)
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
-                return c.compile_regex(params.regex)
+                return c.compile_regex(str(params.regex))
             if kind == "choice":
                 return c.compile_regex("|".join(_regex_literal(s) for s in params.choice or []))
             if kind == "grammar":  # GBNF/EBNF rules read 'name ::= ...'; Lark's read 'name: ...'
                 text = params.grammar or ""
                 return c.compile_grammar(text) if "::=" in text else c.compile_lark(text)
-            return c.compile_structural_tag(params.structural_tag)
+            return c.compile_structural_tag(str(params.structural_tag))
         except Exception as e:  # whatever the library raises, the constraint is the client's: a 400
             # xgrammar prefixes its C++ errors with a timestamp and a source path: keep the reason.
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -70,11 +71,11 @@ class XGrammarBackend:
                 reason = reason.split(": ", 1)[-1]
             raise ValueError(f"structured_outputs: the {kind} does not compile: {reason}") from None
 
-    def matcher(self, compiled: Any) -> XGrammarMatcher:
+    def matcher(self, compiled: Any) -> Matcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
-    def fill_bitmask(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor) -> None:  # type: ignore[override]
-        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
+    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)  # XGrammarMatchers
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
