@@ -30,6 +30,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
     # A JSON schema, regex, choice or grammar the output must match (pagoda.structured); a dict of its fields.
     structured_outputs: StructuredOutputsParams | dict | None = None
 
@@ -109,5 +111,11 @@ class SamplingParams:
         assert self.stop_token_ids is not None  # a list after __post_init__
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX
+                    or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100
+                    for t, b in self.logit_bias.items()):
+                raise bad("logit_bias", "must map token ids to biases in [-100, 100]")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError("stop strings must be non-empty strings")

@@ -125,3 +125,28 @@ def test_logprobs_shape_and_finish_reasons(tiny_llama, default_gguf):
     later = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, min_tokens=6,
                                                      stop_token_ids=[first]), use_tqdm=False)[0].outputs[0]
     assert len(later.token_ids) >= 6
+
+
+def test_logit_bias_steers_greedy_and_sampled_tokens(smollm_llm) -> None:
+    from pagoda import SamplingParams
+
+    prompt = "The capital of France is"
+    (base,) = smollm_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    first = base.outputs[0].token_ids[0]
+    forced = 1234
+    for temperature in (0.0, 0.9):
+        (out,) = smollm_llm.generate([prompt], SamplingParams(temperature=temperature, seed=1, max_tokens=4,
+                                                              ignore_eos=True, logit_bias={forced: 100}),
+                                     use_tqdm=False)
+        assert out.outputs[0].token_ids == [forced] * 4
+    (out,) = smollm_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logit_bias={first: -100}),
+                                 use_tqdm=False)
+    assert out.outputs[0].token_ids[0] != first
+
+
+@pytest.mark.parametrize("bias", [{1: 101}, {1: float("nan")}, {-1: 1.0}, {"1": 1.0}, {1: True}])
+def test_logit_bias_out_of_range_is_refused(bias) -> None:
+    from pagoda import SamplingParams
+
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -180,6 +180,8 @@ class LLMEngine:
             raise ValueError(f"n must be at most max_num_seqs ({max_seqs}), got {params.n}")
         if any(t >= vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:

@@ -32,6 +32,7 @@ class SamplingBatch:
         self.any_top_k = any(x.top_k > 0 for x in p)
         self.any_top_p = any(x.top_p < 1.0 for x in p)
         self.any_min_p = any(x.min_p > 0.0 for x in p)
+        self.any_logit_bias = any(x.logit_bias for x in p)
         self.max_logprobs = max((x.logprobs for x in p if x.logprobs is not None), default=-1)
 
 
@@ -97,10 +98,15 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 def target_distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The distribution each row samples from: (greedy token ids, probs [B, V] or None when all rows are greedy).
 
-    Penalties -> min_tokens bans -> temperature -> top-k/top-p/min-p. Edits `logits` in place (the bans).
-    Speculative verification calls this too, so p there is exactly what the sampler draws from."""
+    Penalties -> logit_bias -> min_tokens bans -> temperature -> top-k/top-p/min-p. Edits `logits` in place
+    (bias, bans). Speculative verification calls this too, so p there is exactly what the sampler draws from."""
     if batch.any_penalty:
         logits = apply_penalties(logits, batch)
+    if batch.any_logit_bias:
+        for i, p in enumerate(batch.params):
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype))
     for i, banned in enumerate(batch.banned_token_ids):
         if banned:
             logits[i, banned] = _NEG_INF
@@ -116,7 +122,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [B, V] in the model's dtype -> one token per row."""
         if batch.all_greedy and batch.max_logprobs < 0 and not batch.any_penalty \
-                and not any(batch.banned_token_ids):
+                and not batch.any_logit_bias and not any(batch.banned_token_ids):
             # Plain greedy: the argmax of the logits as they are (widening bf16 to fp32 is exact).
             return sampler_output(argmax_rows(logits), None, batch.max_logprobs)
         logits = logits.float()

@@ -136,3 +136,13 @@ def test_a_constraint_that_cannot_compile_is_a_400_while_others_finish(server: S
     for t in threads:
         t.join(timeout=300)
     assert done == [40, 40, 40]
+
+
+def test_logit_bias_through_the_client(server: ServerProcess, client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                     logit_bias={"1234": 100}, extra_body={"ignore_eos": True})
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": resp.choices[0].text, "add_special_tokens": False})
+    assert tok.json()["tokens"] == [1234] * 3
+    for bad in ({"1234": 500}, {"x": 1}, {"99999999": 1}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text

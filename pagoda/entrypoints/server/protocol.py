@@ -107,8 +107,6 @@ class _SamplingFields(_Model):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; raises ValueError naming the bad parameter."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}")
@@ -132,7 +130,17 @@ class _SamplingFields(_Model):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self._structured(),
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, so as strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(t): b for t, b in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias: keys must be token ids") from None
 
 
 # ---- /v1/completions --------------------------------------------------------------------------
