@@ -111,6 +111,8 @@ class EngineConfig:
     quantization_group_size: int = 128  # int4 group size (32, 64 or 128; smaller where K needs it)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram"|"draft_model"|"self", ...}
     structured_outputs_backend: str = "auto"  # grammar library for structured outputs: auto, xgrammar
+    # Append the text a grammar forces (JSON keys, punctuation) in one step instead of one step per token.
+    structured_outputs_jump_forward: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -120,7 +122,7 @@ class EngineConfig:
         cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
-                    "quantization_group_size", "structured_outputs_backend"}
+                    "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward"}
         unknown = set(kw) - cache_keys - sched_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")

@@ -164,3 +164,27 @@ def test_bench_structured_reports_both_runs(tmp_path) -> None:
     (run,) = report["runs"]
     assert run["concurrency"] == 4 and run["output_tokens"] > 0 and run["ratio"] > 0
     assert run["mask_ms_per_step"] > 0 and report["compile_ms"]["cached"] < report["compile_ms"]["new_schema"]
+
+
+@pytest.mark.parametrize("max_tokens", [5, 200])
+def test_jump_forward_appends_forced_text_within_max_tokens(smollm_llm: LLM, max_tokens: int) -> None:
+    stats = smollm_llm.engine.structured.stats
+    before = stats.jump_forward_tokens
+    (out,) = smollm_llm.generate(["A person as JSON:"], _params({"json": PERSON}, temperature=0.0,
+                                                                max_tokens=max_tokens), use_tqdm=False)
+    c = out.outputs[0]
+    assert stats.jump_forward_tokens > before and len(c.token_ids) <= max_tokens
+    if max_tokens == 200:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), PERSON)
+        tok = smollm_llm.engine.tokenizer
+        # The forced keys are tokenized as the model's tokenizer does, not spelled out piece by piece.
+        assert tok.encode('"name"', add_special_tokens=False)[1:-1][0] in c.token_ids
+
+
+def test_jump_forward_off_still_matches() -> None:
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, structured_outputs_jump_forward=False)
+    (out,) = llm.generate(["A person as JSON:"], _params({"json": PERSON}, temperature=0.0, max_tokens=200),
+                          use_tqdm=False)
+    assert llm.engine.structured.stats.jump_forward_tokens == 0
+    jsonschema.validate(json.loads(out.outputs[0].text), PERSON)

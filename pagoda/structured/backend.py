@@ -28,6 +28,9 @@ class Matcher(Protocol):
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token accepted: nothing more may follow."""
 
+    def forced_string(self) -> str:
+        """The longest text the grammar allows as the only continuation from here ('' if none)."""
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (rejected speculative tokens)."""
 

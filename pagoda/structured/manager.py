@@ -28,6 +28,7 @@ class MaskStats:
     steps: int = 0
     rows: int = 0
     seconds: float = 0.0
+    jump_forward_tokens: int = 0  # tokens appended by jump-forward decoding instead of decoded
 
 
 class StructuredOutputManager:

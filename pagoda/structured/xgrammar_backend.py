@@ -25,6 +25,9 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def forced_string(self) -> str:
+        return str(self._m.find_jump_forward_string())
+
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
