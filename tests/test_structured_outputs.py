@@ -159,11 +159,14 @@ def test_bench_structured_reports_both_runs(tmp_path) -> None:
 
     out = tmp_path / "structured.json"
     assert main(["bench", "structured", "--dtype", "float32", "--num-prompts", "4", "--concurrency", "4",
-                 "--max-tokens", "24", "--kv-cache-memory", "64MiB", "--output-json", str(out)]) == 0
+                 "--max-tokens", "24", "--kv-cache-memory", "64MiB", "--jump-forward-rounds", "1",
+                 "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     (run,) = report["runs"]
     assert run["concurrency"] == 4 and run["output_tokens"] > 0 and run["ratio"] > 0
     assert run["mask_ms_per_step"] > 0 and report["compile_ms"]["cached"] < report["compile_ms"]["new_schema"]
+    jf = report["jump_forward"]
+    assert jf["valid_on"] and jf["valid_off"] and jf["speedup"] > 0
 
 
 @pytest.mark.parametrize("max_tokens", [5, 200])
