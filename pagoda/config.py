@@ -110,7 +110,7 @@ class EngineConfig:
     quantization: str | None = None  # weight quantization method (pagoda.quantization), None = as stored
     quantization_group_size: int = 128  # int4 group size (32, 64 or 128; smaller where K needs it)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram"|"draft_model"|"self", ...}
-    structured_outputs_backend: str = "auto"  # grammar library for structured outputs: auto, xgrammar
+    structured_outputs_backend: str = "auto"  # grammar library: auto (xgrammar, else llguidance), xgrammar, guidance
     # Append the text a grammar forces (JSON keys, punctuation) in one step instead of one step per token.
     structured_outputs_jump_forward: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)

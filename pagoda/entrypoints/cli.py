@@ -58,8 +58,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(default: none)")
-    p.add_argument("--structured-outputs-backend", default=None, choices=["auto", "xgrammar"],
-                   help="grammar library for structured outputs (default: auto = xgrammar)")
+    p.add_argument("--structured-outputs-backend", default=None, choices=["auto", "xgrammar", "guidance"],
+                   help="grammar library for structured outputs (default: auto = xgrammar, falling back to "
+                        "llguidance for a constraint xgrammar rejects)")
+    p.add_argument("--structured-outputs-jump-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="append the text a grammar forces in one step instead of one step per token (default on)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -75,7 +78,7 @@ def _json_object(text: str) -> dict[str, Any]:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
-            "quantization_group_size", "structured_outputs_backend"]
+            "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

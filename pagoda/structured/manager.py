@@ -4,6 +4,10 @@ Compiling runs in a small thread pool and is cached by the constraint's text, so
 once; a request waits outside the scheduler until its grammar is ready while other requests keep running.
 Each step fills one bitmask for all constrained rows and applies it to those rows' logits only: the other
 rows of the batch are not touched, so they are bit-identical to a batch without constrained rows.
+
+"auto" compiles with xgrammar and, where xgrammar rejects a constraint, with llguidance: so one batch may hold
+matchers of both. All backends share one bitmask layout (1 bit per token, 32 tokens per int32), so each fills
+its own rows and one kernel applies the whole mask.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import torch
 from pagoda.structured.backend import GrammarBackend, Matcher
 from pagoda.structured.params import StructuredOutputsParams
 
-BACKENDS = ("auto", "xgrammar")
+BACKENDS = ("auto", "xgrammar", "guidance")
+_TRIED = {"auto": ("xgrammar", "guidance"), "xgrammar": ("xgrammar",), "guidance": ("guidance",)}
 
 
 @dataclass
@@ -36,8 +41,11 @@ class StructuredOutputManager:
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
-        self._backend: GrammarBackend | None = None
+        self._backends: dict[str, GrammarBackend] = {}
+        # The backend that made each type of compiled grammar and matcher (no two backends share a type).
+        self._made_by: dict[type, GrammarBackend] = {}
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()  # building a backend takes a second: cache hits need not wait
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagoda-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._cache_size = cache_size
@@ -45,14 +53,24 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> GrammarBackend:
-        """Built on first use: importing xgrammar and reading the vocabulary takes about a second."""
-        with self._lock:
-            backend = self._backend
-            if backend is None:
-                from pagoda.structured.xgrammar_backend import XGrammarBackend
+        """The backend tried first (auto's is xgrammar)."""
+        return self._get(_TRIED[self._backend_name][0])
 
-                backend = self._backend = XGrammarBackend(self._tokenizer.backend, self._vocab_size,
-                                                          sorted(self._tokenizer.stop_token_ids))
+    def _get(self, name: str) -> GrammarBackend:
+        """Built on first use: importing the library and reading the vocabulary takes about a second."""
+        with self._build_lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                stop = sorted(self._tokenizer.stop_token_ids)
+                if name == "xgrammar":
+                    from pagoda.structured.xgrammar_backend import XGrammarBackend
+
+                    backend = XGrammarBackend(self._tokenizer.backend, self._vocab_size, stop)
+                else:
+                    from pagoda.structured.guidance_backend import GuidanceBackend
+
+                    backend = GuidanceBackend(self._tokenizer.backend, self._vocab_size, stop)
+                self._backends[name] = backend
             return backend
 
     def compile(self, params: StructuredOutputsParams) -> Future:
@@ -63,14 +81,35 @@ class StructuredOutputManager:
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(lambda: self.backend.compile(params))
+            fut = self._pool.submit(self._compile, params)
             self._cache[key] = fut
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return fut
 
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        """The first backend's grammar that compiles; if none does, the first one's error (and the others')."""
+        errors: list[tuple[str, ValueError]] = []
+        for name in _TRIED[self._backend_name]:
+            if errors and params.kind == "structural_tag":  # xgrammar's own format: no other backend reads it
+                break
+            backend = self._get(name)
+            try:
+                compiled = backend.compile(params)
+            except ValueError as e:
+                errors.append((name, e))
+                continue
+            self._made_by[type(compiled)] = backend
+            return compiled
+        first = str(errors[0][1])
+        others = "".join(f"; {name}: {str(e).split('does not compile: ', 1)[-1]}" for name, e in errors[1:])
+        raise ValueError(first + others)
+
     def matcher(self, compiled: Any) -> Matcher:
-        return self.backend.matcher(compiled)
+        backend = self._made_by[type(compiled)]
+        matcher = backend.matcher(compiled)
+        self._made_by.setdefault(type(matcher), backend)
+        return matcher
 
     def mask_logits(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> list[int]:
         """Forbid, in place, what each matcher's grammar forbids next in its row of `logits`; return the
@@ -84,9 +123,19 @@ class StructuredOutputManager:
             self.stats.seconds += time.perf_counter() - t0
 
     def _mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> list[int]:
-        backend = self.backend
+        groups: dict[GrammarBackend, list[int]] = {}
+        for i, m in enumerate(matchers):
+            groups.setdefault(self._made_by[type(m)], []).append(i)
+        # The first backend's kernel applies every row: under auto that is xgrammar's, also for llguidance rows.
+        backend = self._backends.get(_TRIED[self._backend_name][0]) or next(iter(groups))
         bitmask = backend.allocate_bitmask(len(rows))
-        backend.fill_bitmask(matchers, bitmask)
+        if len(groups) == 1:
+            next(iter(groups)).fill_bitmask(matchers, bitmask)
+        else:
+            for owner, idx in groups.items():
+                part = owner.allocate_bitmask(len(idx))
+                owner.fill_bitmask([matchers[i] for i in idx], part)
+                bitmask[idx] = part
         dead = [rows[i] for i in (bitmask == 0).all(dim=1).nonzero().flatten().tolist()]
         if logits.dtype == torch.float32 and rows == list(range(logits.shape[0])):
             backend.apply_bitmask(logits, bitmask)
