@@ -51,14 +51,14 @@ def test_output_processing_failure_fails_that_request_alone(engine: LLMEngine, m
     params = SamplingParams(temperature=0.8 if seeded else 0.0, seed=7 if seeded else None, max_tokens=N_TOKENS,
                             ignore_eos=True)
     ref = _reference(engine, params)
-    original = engine.outputs.append_tokens
+    original = engine.outputs._append  # one row's output processing
 
-    def flaky(seqs, sampled):  # noqa: ANN001, ANN202
-        if seqs[0].request.request_id == "bad" and seqs[0].num_output_tokens >= 3:
+    def flaky(seq, *args):  # noqa: ANN001, ANN002, ANN202
+        if seq.request.request_id == "bad" and seq.num_output_tokens >= 3:
             raise RuntimeError("injected detokenizer failure")
-        return original(seqs, sampled)
+        return original(seq, *args)
 
-    monkeypatch.setattr(engine.outputs, "append_tokens", flaky)
+    monkeypatch.setattr(engine.outputs, "_append", flaky)
     finals = _run(engine, {**_innocents(), "bad": "A request that fails"}, params)
     bad = finals.pop("bad")
     assert bad.error and bad.outputs[0].finish_reason == "error"

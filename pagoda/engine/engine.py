@@ -1,6 +1,7 @@
 """LLMEngine: the step loop. Each step is schedule -> run the model -> sample -> update requests."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -307,13 +308,15 @@ class LLMEngine:
             # Forked siblings reuse a row; otherwise rows are in order and the logits need no gather.
             logits = out.sample_logits if row_ids == list(range(len(out.sample_logits))) else \
                 out.sample_logits[torch.tensor(row_ids)]
-            for seq, sampled in self._sample(seqs, logits, touched):
-                self._guarded(seq.request, touched, self.outputs.append_tokens, [seq], sampled)
-                if seq.matcher is not None:
-                    self._guarded(seq.request, touched, self._advance_grammar, seq)
-                touched[seq.request.request_id] = seq.request
-                if seq.finish_reason is not None and not seq.finished:
-                    self.scheduler.finish(seq)
+            on_error = functools.partial(self._request_failed, touched=touched)
+            for group, sampled in self._sample(seqs, logits, touched):
+                self.outputs.append_tokens(group, sampled, on_error=on_error)
+                for seq in group:
+                    if seq.matcher is not None and not seq.finished:
+                        self._guarded(seq.request, touched, self._advance_grammar, seq)
+                    touched[seq.request.request_id] = seq.request
+                    if seq.finish_reason is not None and not seq.finished:
+                        self.scheduler.finish(seq)
         num_generated = len(rows)
         spec_rows = {r: v for r, v in out.spec_logits.items() if not sched.seqs[r].finished}
         if spec_rows and self.speculator is not None:
@@ -338,8 +341,9 @@ class LLMEngine:
         return results
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
-                touched: dict[str, Request]) -> list[tuple[Sequence, SamplerOutput]]:
-        """One batched sampler call; if it fails, each row alone, so that a bad row fails its request only."""
+                touched: dict[str, Request]) -> list[tuple[list[Sequence], SamplerOutput]]:
+        """One batched sampler call; if it fails, each row alone, so that a bad row fails its request only.
+        Returns (sequences, their tokens) groups: one group, or one per row that sampled."""
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:  # only those rows are touched: the others stay bit-identical
             matchers = [m for i in constrained if (m := seqs[i].matcher) is not None]
@@ -359,12 +363,12 @@ class LLMEngine:
         except Exception:
             logger.exception("batched sampling failed; sampling %d row(s) one by one", len(seqs))
         else:
-            return [(seq, sampled.row(i)) for i, seq in enumerate(seqs)]
+            return [(seqs, sampled)]
         results = []
         for i, seq in enumerate(seqs):
             row = self._guarded(seq.request, touched, self.sampler, logits[i:i + 1], self._sampling_batch([seq]))
             if row is not None:
-                results.append((seq, row))
+                results.append(([seq], row))
         return results
 
     def _guarded(self, req: Request, touched: dict[str, Request], fn: Callable[..., T],
@@ -375,10 +379,14 @@ class LLMEngine:
         try:
             return fn(*args)
         except Exception:
-            logger.exception("request %s failed in the engine step", req.request_id)
-            self._fail_request(req)
-            touched[req.request_id] = req
+            self._request_failed(req.seqs[0], touched)
             return None
+
+    def _request_failed(self, seq: Sequence, touched: dict[str, Request]) -> None:
+        """Called from an except block: log it and fail seq's request alone."""
+        logger.exception("request %s failed in the engine step", seq.request.request_id)
+        self._fail_request(seq.request)
+        touched[seq.request.request_id] = seq.request
 
     def _fail_request(self, req: Request, error: str = "internal error while processing this request",
                       status: int = 500) -> None:

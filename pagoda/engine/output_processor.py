@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,27 +24,40 @@ class OutputProcessor:
             ids |= self.tokenizer.stop_token_ids
         return ids
 
-    def append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> None:
+    def append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput,
+                      on_error: Callable[[Sequence], None] | None = None) -> None:
+        """Append each row's token. A failure in one row calls on_error(seq) from inside the except
+        block and goes on with the next row (without on_error it raises)."""
         now = time.time()
         for i, (seq, tok) in enumerate(zip(seqs, sampled.token_ids)):
-            req, p = seq.request, seq.request.params
-            seq.token_ids.append(tok)
-            m = req.metrics
-            if m is not None:
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                m.last_token_time = now
-            if seq.logprobs is not None and sampled.sampled_logprobs is not None:
-                lp = sampled.sampled_logprobs[i]
-                seq.cumulative_logprob += lp
-                entry = {tok: Logprob(lp, sampled.sampled_ranks[i], self.token_text(tok))}  # type: ignore[index]
-                k = p.logprobs or 0
-                if k and sampled.topk_ids is not None and sampled.topk_logprobs is not None:
-                    for rank, (tid, tlp) in enumerate(zip(sampled.topk_ids[i][:k], sampled.topk_logprobs[i][:k]), 1):
-                        if tid not in entry:
-                            entry[tid] = Logprob(tlp, rank, self.token_text(tid))
-                seq.logprobs.append(entry)
-            self._check_stop(seq, tok, p)
+            if seq.finished:  # its request failed earlier in this step
+                continue
+            try:
+                self._append(seq, tok, sampled, i, now)
+            except Exception:
+                if on_error is None:
+                    raise
+                on_error(seq)
+
+    def _append(self, seq: Sequence, tok: int, sampled: SamplerOutput, i: int, now: float) -> None:
+        req, p = seq.request, seq.request.params
+        seq.token_ids.append(tok)
+        m = req.metrics
+        if m is not None:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+        if seq.logprobs is not None and sampled.sampled_logprobs is not None:
+            lp = sampled.sampled_logprobs[i]
+            seq.cumulative_logprob += lp
+            entry = {tok: Logprob(lp, sampled.sampled_ranks[i], self.token_text(tok))}  # type: ignore[index]
+            k = p.logprobs or 0
+            if k and sampled.topk_ids is not None and sampled.topk_logprobs is not None:
+                for rank, (tid, tlp) in enumerate(zip(sampled.topk_ids[i][:k], sampled.topk_logprobs[i][:k]), 1):
+                    if tid not in entry:
+                        entry[tid] = Logprob(tlp, rank, self.token_text(tid))
+            seq.logprobs.append(entry)
+        self._check_stop(seq, tok, p)
 
     def _check_stop(self, seq: Sequence, tok: int, p: SamplingParams) -> None:
         is_stop_token = tok in seq.request.stop_ids  # the sampler bans these below min_tokens

@@ -45,13 +45,6 @@ class SamplerOutput:
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
 
-    def row(self, i: int) -> "SamplerOutput":
-        """Row i alone, as a one-row output."""
-        def pick(xs: list | None) -> list | None:
-            return None if xs is None else xs[i:i + 1]
-        return SamplerOutput(self.token_ids[i:i + 1], pick(self.sampled_logprobs), pick(self.sampled_ranks),
-                             pick(self.topk_ids), pick(self.topk_logprobs))
-
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """OpenAI presence/frequency penalties on output tokens; CTRL-style repetition penalty on all seen."""
