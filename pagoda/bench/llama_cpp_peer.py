@@ -1,9 +1,7 @@
 """llama.cpp as a peer: batch-1 decode, batched decode and perplexity on the same GGUF and token ids.
 
-llama-cpp-python lives in its own venv outside the repository (it compiles llama.cpp, ~8 min):
-
-    python3 -m venv /work/peers/llama
-    CMAKE_ARGS="-DGGML_NATIVE=ON" /work/peers/llama/bin/pip install 'llama-cpp-python[server]'
+llama-cpp-python lives in its own venv in the user cache folder (it compiles llama.cpp, ~8 min):
+`bash scripts/install-peers.sh llama` installs it there.
 
 `peer_scripts/llama_cpp_batched.py` runs under that venv's python on a JSON job of token ids (so the
 workload is exactly Pagoda's) and prints one result line. It drives llama.cpp's C API so that many
@@ -19,13 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pagoda.bench.vllm_peer import PeerFailed, PeerUnavailable, parse_result
+from pagoda.bench.vllm_peer import PeerFailed, PeerUnavailable, parse_result, peer_python
 
-DEFAULT_LLAMA_PYTHON = os.environ.get("PAGODA_LLAMA_PYTHON", "/work/peers/llama/bin/python")
+DEFAULT_LLAMA_PYTHON = peer_python("llama", "PAGODA_LLAMA_PYTHON")
 SCRIPT = Path(__file__).resolve().parent / "peer_scripts" / "llama_cpp_batched.py"
-INSTALL_HINT = ("install llama-cpp-python in its own venv (docs/benchmarks.md, 'Peers'): python3 -m venv "
-                "/work/peers/llama && CMAKE_ARGS=-DGGML_NATIVE=ON /work/peers/llama/bin/pip install "
-                "'llama-cpp-python[server]'; or set PAGODA_LLAMA_PYTHON")
+INSTALL_HINT = ("install llama-cpp-python in its own venv: bash scripts/install-peers.sh llama "
+                "(docs/benchmarks.md, 'Peers'); or set PAGODA_LLAMA_PYTHON")
 
 
 def run_llama_cpp(gguf: str, *, python: str = DEFAULT_LLAMA_PYTHON, threads: int = 2,

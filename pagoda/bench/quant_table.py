@@ -35,7 +35,7 @@ class RowSpec:
 
 
 def parse_row(spec: str, model: str | None) -> RowSpec:
-    """"float32" | "bfloat16" | a method name | "NAME=CHECKPOINT_DIR" (e.g. int4-awq=/tmp/awq); a NAME
+    """"float32" | "bfloat16" | a method name | "NAME=CHECKPOINT_DIR" (e.g. int4-awq=ckpt_awq); a NAME
     ending in "+a8" (int4+a8, gguf+a8, int4-awq+a8=DIR) runs its INT4 layers with INT8 activations."""
     name, path = spec.split("=", 1) if "=" in spec else (spec, None)
     a8 = name.endswith("+a8")

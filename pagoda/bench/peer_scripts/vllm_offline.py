@@ -3,7 +3,7 @@
 Standalone on purpose: it imports nothing from pagoda, since the peer's venv does not have it.
 
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \\
-        /work/peers/vllm/bin/python vllm_offline.py WORKLOAD.json [--result RESULT.json]
+        ~/.cache/pagoda/peers/vllm/bin/python vllm_offline.py WORKLOAD.json [--result RESULT.json]
 
 WORKLOAD.json: {"model": HF folder, "dtype": "bfloat16" | "float32", "max_model_len": int,
                 "requests": [{"prompt_token_ids": [int, ...], "output_len": int}, ...],
