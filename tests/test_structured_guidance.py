@@ -13,6 +13,7 @@ import regex
 import torch
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
+from tests.test_structured_outputs import CONSTRAINT_CHECKS, assert_outputs_match
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
@@ -56,22 +57,9 @@ def test_json_schema_outputs_validate_and_allow_no_unlisted_keys(guidance_llm: L
             assert ", " in c.text and "\n" not in c.text  # compact separators, no free whitespace
 
 
-@pytest.mark.parametrize("constraint, check", [
-    ({"regex": r"[A-Z][a-z]{2,6} \d{2}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,6} \d{2}", t)),
-    ({"choice": ["red", "green", "dark blue", "a.b (c)"]}, lambda t: t in ["red", "green", "dark blue", "a.b (c)"]),
-    ({"grammar": 'root ::= num " + " num " = " num\nnum ::= [1-9] [0-9]?'},
-     lambda t: re.fullmatch(r"[1-9][0-9]? \+ [1-9][0-9]? = [1-9][0-9]?", t)),
-    ({"grammar": 'start: WORD ("," WORD)~1..3\nWORD: /[a-z]{1,8}/'},
-     lambda t: re.fullmatch(r"[a-z]{1,8}(,[a-z]{1,8}){1,3}", t)),
-    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
-])
+@pytest.mark.parametrize("constraint, check", CONSTRAINT_CHECKS)
 def test_regex_choice_grammar_and_json_object_outputs_match(guidance_llm: LLM, constraint: dict, check) -> None:  # noqa: ANN001
-    for out in guidance_llm.generate(PROMPTS, _params(constraint, n=2, max_tokens=64), use_tqdm=False):
-        for c in out.outputs:
-            if c.finish_reason == "length":  # an open JSON object may run long: it is still one so far
-                assert "json_object" in constraint and c.text.lstrip().startswith("{"), c.text
-                continue
-            assert c.finish_reason == "stop" and check(c.text), (constraint, c.text)
+    assert_outputs_match(guidance_llm, PROMPTS, constraint, check)
 
 
 def test_mask_equals_llguidances_own(guidance_llm: LLM) -> None:

@@ -41,7 +41,8 @@ def test_json_schema_outputs_validate_under_sampling_and_n(smollm_llm: LLM) -> N
             jsonschema.validate(json.loads(c.text), PERSON)
 
 
-@pytest.mark.parametrize("constraint, check", [
+# (constraint, check of a finished output), shared with the llguidance backend's tests.
+CONSTRAINT_CHECKS = [
     ({"regex": r"[A-Z][a-z]{2,6} \d{2}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,6} \d{2}", t)),
     ({"choice": ["red", "green", "dark blue", "a.b (c)"]}, lambda t: t in ["red", "green", "dark blue", "a.b (c)"]),
     ({"grammar": 'root ::= num " + " num " = " num\nnum ::= [1-9] [0-9]?'},
@@ -49,14 +50,21 @@ def test_json_schema_outputs_validate_under_sampling_and_n(smollm_llm: LLM) -> N
     ({"grammar": 'start: WORD ("," WORD)~1..3\nWORD: /[a-z]{1,8}/'},
      lambda t: re.fullmatch(r"[a-z]{1,8}(,[a-z]{1,8}){1,3}", t)),
     ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
-])
-def test_regex_choice_grammar_and_json_object_outputs_match(smollm_llm: LLM, constraint: dict, check) -> None:  # noqa: ANN001
-    for out in smollm_llm.generate(PROMPTS, _params(constraint, n=2, max_tokens=64), use_tqdm=False):
+]
+
+
+def assert_outputs_match(llm: LLM, prompts: list[str], constraint: dict, check) -> None:  # noqa: ANN001
+    for out in llm.generate(prompts, _params(constraint, n=2, max_tokens=64), use_tqdm=False):
         for c in out.outputs:
             if c.finish_reason == "length":  # an open JSON object may run long: it is still one so far
                 assert "json_object" in constraint and c.text.lstrip().startswith("{"), c.text
                 continue
             assert c.finish_reason == "stop" and check(c.text), (constraint, c.text)
+
+
+@pytest.mark.parametrize("constraint, check", CONSTRAINT_CHECKS)
+def test_regex_choice_grammar_and_json_object_outputs_match(smollm_llm: LLM, constraint: dict, check) -> None:  # noqa: ANN001
+    assert_outputs_match(smollm_llm, PROMPTS, constraint, check)
 
 
 def test_unconstrained_rows_are_bit_identical_beside_constrained_ones(smollm_llm: LLM) -> None:
