@@ -48,7 +48,7 @@ class XGrammarBackend:
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
         # One thread: the mask is filled between forward passes, and on a CPU engine more threads only
-        # contend with torch's own (measured: 2 threads made the mask 1.4x slower on 2 cores).
+        # contend with torch's own (docs/benchmarks.md, "bench structured").
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def compile(self, params: StructuredOutputsParams) -> Any:

@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     server.run()
     code = 0 if server.started else 1
     # The engine has stopped and every client has its answer. Tearing the interpreter down (freeing the
-    # model and the KV pool, torch's finalizers) takes another 0.6-2 s here, which a supervisor's
+    # model and the KV pool, torch's finalizers) takes seconds more, which a supervisor's
     # SIGTERM grace period would spend on nothing: flush and leave.
     logging.shutdown()
     sys.stdout.flush()
