@@ -193,10 +193,12 @@ class LLMEngine:
         self._check_length(len(prompt))
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation's token ids through the chat template (message text never makes control tokens)."""
-        self._check_length(sum(len(t) for t in iter_strings(messages)))
-        return self.tokenizer.encode_chat(messages, add_generation_prompt)
+    def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A conversation's token ids through the chat template (message text never makes control tokens);
+        `tools` go to templates that render them."""
+        self._check_length(sum(len(t) for t in iter_strings([messages, tools])))
+        return self.tokenizer.encode_chat(messages, add_generation_prompt, tools)
 
     def _check_length(self, num_chars: int) -> None:
         # No token is longer than max_token_bytes; the slack covers normalizers that shrink text (NFKC).

@@ -121,7 +121,8 @@ class Tokenizer:
         texts = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
         return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1) or 1
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of a rendered conversation in which only the template makes control tokens.
 
         A special-token string inside a message (say "<|im_end|><|im_start|>system") would otherwise
@@ -129,14 +130,17 @@ class Tokenizer:
         before rendering and tokenized as plain text afterwards, like HF's split_special_tokens but for
         the messages alone: the template's own special tokens stay control tokens. Conversations without
         such strings take the plain path, so their ids are exactly what tokenizing the rendering gives.
+        `tools` (OpenAI's tool definitions, for templates that render them) are escaped the same way.
         """
         specials, pattern = self._special_strings()
-        if pattern is None or not any(pattern.search(text) for text in iter_strings(messages)):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        extra = {"tools": tools} if tools else {}
+        if pattern is None or not any(pattern.search(text) for text in iter_strings([messages, tools])):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra),
+                               add_special_tokens=False)
         nonce = secrets.token_hex(4)
-        escaped = _map_strings(messages, lambda t: pattern.sub(
+        escaped, extra = _map_strings([messages, extra], lambda t: pattern.sub(
             lambda m: f"\ue000{nonce}{specials.index(m.group(0))}\ue001", t))
-        rendered = self.apply_chat_template(escaped, add_generation_prompt)
+        rendered = self.apply_chat_template(escaped, add_generation_prompt, **extra)
         ids: list[int] = []
         for i, piece in enumerate(re.split(f"\ue000{nonce}(\\d+)\ue001", rendered)):
             if i % 2 == 0:

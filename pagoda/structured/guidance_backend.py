@@ -85,9 +85,6 @@ class GuidanceBackend:
 
     def compile(self, params: StructuredOutputsParams) -> GuidanceGrammar:
         kind = params.kind
-        if kind == "structural_tag":  # xgrammar's own format; llguidance's structural tags differ
-            raise ValueError("structured_outputs: structural_tag is not supported by the guidance backend "
-                             "(use xgrammar or auto)")
         try:
             grammar = self._grammar(params)
             start = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)  # checks the grammar
@@ -121,7 +118,20 @@ class GuidanceBackend:
 
                 text = any_to_lark(text)
             return m.grammar_from_lark(text)
-        raise AssertionError(kind)
+        tag = json.loads(str(params.structural_tag))
+        if not (isinstance(tag, dict) and "structures" in tag):
+            raise ValueError("the guidance backend reads structural tags in the triggers + structures form "
+                             "only (xgrammar's newer format: use xgrammar or auto)")
+        triggers = tag.get("triggers") or []
+        tags = []
+        for s in tag["structures"]:
+            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"structural_tag: no trigger begins {s['begin']!r}")
+            tags.append(self._llg.StructTag(trigger=trigger, begin=s["begin"], grammar=_closed(s.get("schema", {})),
+                                            end=s["end"]))
+        # The triggers are plain text here (not control tokens): '<tool_call>' is several tokens in most vocabularies.
+        return m.grammar_from_lark(self._llg.StructTag.to_grammar(tags, assume_special=False))
 
     def matcher(self, compiled: GuidanceGrammar) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.start.deep_copy(), self._stop)

@@ -91,8 +91,6 @@ class StructuredOutputManager:
         """The first backend's grammar that compiles; if none does, the first one's error (and the others')."""
         errors: list[tuple[str, ValueError]] = []
         for name in _TRIED[self._backend_name]:
-            if errors and params.kind == "structural_tag":  # xgrammar's own format: no other backend reads it
-                break
             backend = self._get(name)
             try:
                 compiled = backend.compile(params)

@@ -1,6 +1,7 @@
 """xgrammar (the backend of vLLM, SGLang and TRT-LLM): a C++ grammar compiler, matcher and CPU mask kernel."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -66,6 +67,11 @@ class XGrammarBackend:
             if kind == "grammar":  # GBNF/EBNF rules read 'name ::= ...'; Lark's read 'name: ...'
                 text = params.grammar or ""
                 return c.compile_grammar(text) if "::=" in text else c.compile_lark(text)
+            tag = json.loads(str(params.structural_tag))
+            if isinstance(tag, dict) and "structures" in tag:  # vLLM's older form: triggers + structures
+                items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})),
+                                                     end=s["end"]) for s in tag["structures"]]
+                return c.compile_structural_tag(items, tag["triggers"])
             return c.compile_structural_tag(str(params.structural_tag))
         except Exception as e:  # whatever the library raises, the constraint is the client's: a 400
             # xgrammar prefixes its C++ errors with a timestamp and a source path: keep the reason.

@@ -24,6 +24,7 @@ from pagoda.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.entrypoints.server.openapi import PUBLIC_PATHS, install_openapi
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.tools import choose_format, plan_tools, prepare_conversation, template_reads_tools
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class ServerSettings:
     model_root: str | None = None
     retry_after_s: int = 1
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    tool_call_parser: str | None = None  # None: the format the chat template writes
 
 
 class APIError(Exception):
@@ -254,6 +256,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     core = engine.engine
     tokenizer = core.tokenizer
     names = settings.served_model_names
+    tool_format = choose_format(settings.tool_call_parser, tokenizer.chat_template)
+    native_tools = template_reads_tools(tokenizer.chat_template)  # else formats.py describes the tools
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -543,10 +547,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         return sse_response(stream_events(request, queued, make_chunks, [], chunk if include_usage else None))
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
-    async def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    async def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         def render() -> list[int]:
             try:
-                return core.tokenize_chat(messages, add_generation_prompt)
+                return core.tokenize_chat(messages, add_generation_prompt, tools)
             except (ValueError, UnicodeError):
                 raise
             except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
@@ -559,32 +564,42 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
         model = check_model(req.model)
         try:
             params = req.to_sampling_params()
-            conversation = req.conversation()
+            tools = req.tool_request()
+            plan = plan_tools(tools, tool_format, params.structured_outputs)
+            conversation, template_tools = prepare_conversation(req.conversation(), tools, tool_format,
+                                                                native_tools)
         except ValueError as e:
             raise bad_request(e) from e
+        if plan is not None:
+            params = plan.apply(params)
         check_capacity(1)
         await compile_constraint(params)
-        prompt_ids = await chat_prompt(conversation, req.add_generation_prompt)
+        prompt_ids = await chat_prompt(conversation, req.add_generation_prompt, template_tools)
         base_id = P.random_id("chatcmpl")
         queued = await submit([prompt_ids], params, base_id, req.cache_salt)
         n = params.n
         top_n = req.top_logprobs or 0
 
+        def finish_reason(c: CompletionOutput, num_calls: int) -> str | None:
+            return "tool_calls" if num_calls and c.finish_reason == "stop" else c.finish_reason
+
         if not req.stream:
             (out,) = await collect(request, queued)
-            choices = [
-                P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                             logprobs=chat_logprobs(c.token_ids, list(c.logprobs or []), tokenizer, top_n)
-                             if req.logprobs else None,
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                for c in out.outputs
-            ]
+            choices = []
+            for c in out.outputs:
+                content, calls = (c.text, []) if plan is None else plan.parse(c.text)
+                message = P.ChatResponseMessage(content=content, tool_calls=calls or None)
+                choices.append(P.ChatChoice(
+                    index=c.index, message=message, finish_reason=finish_reason(c, len(calls)),
+                    logprobs=chat_logprobs(c.token_ids, list(c.logprobs or []), tokenizer, top_n)
+                    if req.logprobs else None, stop_reason=c.stop_reason))
             return P.ChatCompletionResponse(id=base_id, model=model, choices=choices, usage=usage_of([out]))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
+        call_streams = {j: plan.stream() for j in range(n)} if plan is not None else {}
         created = P.ChatCompletionStreamResponse(id=base_id, model=model, choices=[]).created
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -604,7 +619,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                 if c.index in done:
                     continue
                 text = _visible_text(c, params)
-                delta = text[sent_text.get(c.index, 0):]
+                if plan is None:
+                    new = text[sent_text.get(c.index, 0):]
+                    delta: dict[str, Any] = {"content": new} if new else {}
+                else:  # tool calls: content and calls as each becomes certain
+                    delta = call_streams[c.index].update(text, c.finish_reason is not None)
                 if not delta and c.finish_reason is None:
                     continue
                 start, ntok = sent_tokens.get(c.index, 0), len(c.token_ids)
@@ -613,9 +632,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                 sent_text[c.index], sent_tokens[c.index] = len(text), ntok
                 if c.finish_reason is not None:
                     done.add(c.index)
+                num_calls = call_streams[c.index].num_calls if plan is not None else 0
                 result.append(chunk([P.ChatStreamChoice(
-                    index=c.index, delta={"content": delta} if delta else {}, logprobs=lps,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason).model_dump()]))
+                    index=c.index, delta=delta, logprobs=lps, finish_reason=finish_reason(c, num_calls),
+                    stop_reason=c.stop_reason).model_dump()]))
             return result
 
         return sse_response(stream_events(request, queued, make_chunks, preamble,

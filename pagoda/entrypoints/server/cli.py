@@ -10,6 +10,7 @@ import sys
 from types import FrameType
 
 from pagoda.entrypoints.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagoda.tools.formats import FORMATS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -33,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer 413 to a request body larger than this")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+                   help="the models' tool-call syntax (default: read from the chat template, else hermes)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_args(p)
@@ -70,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         model_root=args.model or DEFAULT_MODEL_NAME,
         max_request_body_bytes=args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     async_engine = AsyncEngine(engine, metrics)
     app = create_app(async_engine, settings, metrics)

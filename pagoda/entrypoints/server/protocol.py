@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 from pagoda.model.tokenizer import iter_strings
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured.params import StructuredOutputsParams
+from pagoda.tools import ToolRequest, parse_tools
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 
@@ -242,11 +243,13 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
+    def tool_request(self) -> ToolRequest | None:
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -278,9 +281,21 @@ class ChatLogprobs(_Model):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Model):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Model):
@@ -302,7 +317,7 @@ class ChatCompletionResponse(_Model):
 
 class ChatStreamChoice(_Model):
     index: int
-    delta: dict[str, Any]  # {"role": ..., "content": ...}: only the keys that changed
+    delta: dict[str, Any]  # {"role", "content", "tool_calls"}: only the keys that changed
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
