@@ -11,7 +11,8 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one constraint: `json` (a JSON schema, dict or text), `regex`, `choice` (strings),
-    `grammar` (EBNF/GBNF), `json_object` (any JSON object) or `structural_tag` (xgrammar's format)."""
+    `grammar` (EBNF/GBNF), `json_object` (any JSON object) or `structural_tag` (vLLM's
+    triggers + structures form, which both backends read, or xgrammar's newer format)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None

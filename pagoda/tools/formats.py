@@ -107,7 +107,7 @@ def prepare_conversation(messages: list[dict[str, Any]], tools: ToolRequest | No
             else:
                 out.append({"role": "user", "content": result, "_tool_results": True})
         else:
-            out.append({k: v for k, v in m.items() if k not in ("tool_call_id", "name")})
+            out.append(m)
     for m in out:
         m.pop("_tool_results", None)
     if native:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -65,7 +66,7 @@ def error_response(status: int, message: str, param: str | None = None,
 
 def _param_of(message: str, known: set[str]) -> str | None:
     """SamplingParams and the engine name the offending parameter first ('temperature must be ...')."""
-    first = message.split(" ", 1)[0].rstrip(":,")
+    first = re.split(r"[\s\[.:,]", message, maxsplit=1)[0]  # 'tools[0].function.name: ...' names tools
     if first in known:
         return first
     for name in ("max_tokens", "prompt", "messages", "logprobs", "max_model_len"):
