@@ -104,7 +104,7 @@ def test_bad_constraints_are_value_errors_naming_the_reason(guidance_llm: LLM) -
     for bad, why in [({"regex": "("}, "unclosed group"), ({"json": {"type": "objectx"}}, "objectx"),
                      ({"grammar": "root ::= x"}, "'x' not found"), ({"grammar": "start: x"}, "unknown name"),
                      ({"json": "{nope"}, "not valid JSON"),
-                     ({"structural_tag": {"type": "structural_tag"}}, "triggers \+ structures form only")]:
+                     ({"structural_tag": {"type": "structural_tag"}}, r"triggers \+ structures form only")]:
         with pytest.raises(ValueError, match=why) as info:
             guidance_llm.generate(["x"], _params(bad), use_tqdm=False)
         assert "\n" not in str(info.value)

@@ -32,6 +32,7 @@ from pagoda.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _NORMALIZER_SLACK = 2
+_DEAD_GRAMMAR = "structured_outputs: the constraint allows no next token of this model's vocabulary after {} tokens"
 
 
 @dataclass
@@ -150,16 +151,21 @@ class LLMEngine:
             self.scheduler.add(req.seqs[0])
         return failed
 
-    def _advance_grammar(self, seq: Sequence) -> None:
+    def _advance_grammar(self, seq: Sequence, jump: bool = True) -> None:
+        """Move the matcher past the token just appended; then append what the grammar forces next."""
         matcher = seq.matcher
         assert matcher is not None
         if not matcher.accept(seq.token_ids[-1]):
             raise RuntimeError(f"sampled token {seq.token_ids[-1]} that its grammar forbids")
         if seq.finish_reason is None and matcher.is_terminated():
             seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
-        if seq.finish_reason is None and self.config.structured_outputs_jump_forward \
+        if jump:
+            self._jump_if_forced(seq)
+
+    def _jump_if_forced(self, seq: Sequence) -> None:
+        if seq.finish_reason is None and seq.matcher is not None and self.config.structured_outputs_jump_forward \
                 and seq.request.params.logprobs is None:  # jumped tokens have no logprobs of their own
-            self._jump_forward(seq, matcher)
+            self._jump_forward(seq, seq.matcher)
 
     def _jump_forward(self, seq: Sequence, matcher: Matcher) -> None:
         """Append the text the grammar forces next as tokens now: the next step computes them all in one
@@ -324,9 +330,15 @@ class LLMEngine:
         if spec_rows and self.speculator is not None:
             spec_seqs = [sched.seqs[r] for r in spec_rows]
             before = sum(s.num_tokens for s in spec_seqs)
-            self.speculator.verify(spec_seqs, list(spec_rows.values()))
+            # Speculative tokens advance the grammar one by one; jump-forward waits until their KV is settled.
+            dead = self.speculator.verify(spec_seqs, list(spec_rows.values()), self.structured,
+                                          functools.partial(self._advance_grammar, jump=False))
             num_generated += sum(s.num_tokens for s in spec_seqs) - before
             for seq in spec_seqs:
+                if seq in dead:
+                    self._fail_request(seq.request, _DEAD_GRAMMAR.format(seq.num_output_tokens), 400)
+                else:
+                    self._jump_if_forced(seq)
                 touched[seq.request.request_id] = seq.request
                 if seq.finish_reason is not None and not seq.finished:
                     self.scheduler.finish(seq)
@@ -352,8 +364,7 @@ class LLMEngine:
             dead = self.structured.mask_logits(logits, constrained, matchers)
             for i in dead:  # e.g. a character no token of this vocabulary spells
                 seq = seqs[i]
-                self._fail_request(seq.request, "structured_outputs: the constraint allows no next token of this "
-                                   f"model's vocabulary after {seq.num_output_tokens} tokens", 400)
+                self._fail_request(seq.request, _DEAD_GRAMMAR.format(seq.num_output_tokens), 400)
                 touched[seq.request.request_id] = seq.request
             if dead:
                 keep = [i for i in range(len(seqs)) if not seqs[i].finished]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ from pagoda.spec_decode.adaptive import AdaptivePolicy, StepCostModel
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.draft import ModelDraftProposer
 from pagoda.spec_decode.ngram import NgramProposer
+from pagoda.structured.backend import Matcher
+from pagoda.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from pagoda.engine.engine import LLMEngine
@@ -149,7 +152,7 @@ class Speculator:
                 continue
             # Emitting k + 1 tokens must stay within max_tokens, and the k KV positions within the context.
             k = min(K, seq.request.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
-            if k > 0 and seq.matcher is None:  # structured outputs: proposals would bypass the grammar
+            if k > 0:
                 cands.append(seq)
                 max_ks.append(k)
         if not cands:
@@ -161,13 +164,13 @@ class Speculator:
             if self.cfg.adaptive:
                 ks = self.policy.choose([s.seq_id for s in cands], ks, other)
             for seq, p, k in zip(cands, proposals, ks):
-                seq.spec_token_ids = p[:k]
+                seq.spec_token_ids = _grammar_prefix(seq, p[:k])
             return
         assert self.drafter is not None
         ks = self.policy.choose([s.seq_id for s in cands], max_ks, other) if self.cfg.adaptive else max_ks
         drafts, probs = self.drafter.propose(cands, ks)
         for seq, d, q in zip(cands, drafts, probs):
-            seq.spec_token_ids = d
+            seq.spec_token_ids = _grammar_prefix(seq, d)
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
 
@@ -176,8 +179,12 @@ class Speculator:
             self.policy.cost.observe(num_tokens, forward_s, step_s)
 
     # ---- after the forward -----------------------------------------------------------------------
-    def verify(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
-        """Accept/reject each sequence's scheduled proposals and append what it emits (stops applied)."""
+    def verify(self, seqs: list[Sequence], logits: list[torch.Tensor], structured: StructuredOutputManager,
+               advance_grammar: Callable[[Sequence], None]) -> list[Sequence]:
+        """Accept/reject each sequence's scheduled proposals and append what it emits (stops applied).
+        Constrained rows are verified against the target masked by their grammar at every position, and
+        `advance_grammar` moves a sequence's matcher past each token it emits. Returns the sequences whose
+        grammar allows no token at all now (they emit nothing; the caller fails them)."""
         engine = self.engine
         params, gens, outs, prompts, banned = [], [], [], [], []
         rows: list[rejection.SpecRow] = []
@@ -199,18 +206,22 @@ class Speculator:
         if batch.any_penalty:
             batch.output_token_ids, batch.prompt_token_ids = outs, prompts
         flat = torch.cat(logits).float()
+        dead = _mask_to_grammar(flat, seqs, rows, structured)
         raw_logprobs = flat.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
         emitted = rejection.verify(flat, batch, rows)
 
         # Append token j of every sequence still going, in order, so stops truncate what follows.
         for j in range(max(len(e) for e in emitted)):
             group = [(seq, e[j], row.params_batch_index + j) for seq, e, row in zip(seqs, emitted, rows)
-                     if j < len(e) and seq.finish_reason is None]
+                     if j < len(e) and seq.finish_reason is None and seq not in dead]
             if not group:
                 break
             lp = None if raw_logprobs is None else raw_logprobs[torch.tensor([g[2] for g in group])]
             out = sampler_output(torch.tensor([g[1] for g in group]), lp, batch.max_logprobs)
             engine.outputs.append_tokens([g[0] for g in group], out)
+            for seq, _, _ in group:
+                if seq.matcher is not None:
+                    advance_grammar(seq)
             self.stats.num_emitted_tokens += len(group)
         st = self.stats
         for seq, e in zip(seqs, emitted):
@@ -226,3 +237,49 @@ class Speculator:
             engine.kv.trim(seq.seq_id, seq.num_computed_tokens)
             if self.drafter is not None:
                 self.drafter.rollback(seq)
+        return dead
+
+
+def _grammar_prefix(seq: Sequence, proposal: list[int]) -> list[int]:
+    """The proposals a constrained sequence's grammar allows, up to the first it forbids: verifying a token
+    the grammar forbids could only end in its rejection."""
+    if seq.matcher is None:
+        return proposal
+    probe = seq.matcher.fork()
+    for i, token in enumerate(proposal):
+        if probe.is_terminated() or not probe.accept(token):
+            return proposal[:i]
+    return proposal
+
+
+def _mask_to_grammar(flat: torch.Tensor, seqs: list[Sequence], rows: list[rejection.SpecRow],
+                     structured: StructuredOutputManager) -> list[Sequence]:
+    """Mask, in place, each constrained row's logits at every position by its grammar there (after the
+    proposals before it), in one batched call: the target distribution is the constrained one, so what
+    rejection sampling emits is what decoding without speculation could. A position whose grammar allows
+    nothing shortens the proposals so that it is never reached; at the first position, the sequence is
+    returned as dead."""
+    index: list[int] = []
+    matchers: list[Matcher] = []
+    where: list[tuple[int, int]] = []  # (sequence, position) of each masked row
+    for s, (seq, row) in enumerate(zip(seqs, rows)):
+        if seq.matcher is None:
+            continue
+        probe = seq.matcher.fork()
+        for i in range(len(row.draft) + 1):
+            index.append(row.params_batch_index + i)
+            matchers.append(probe.fork() if i < len(row.draft) else probe)
+            where.append((s, i))
+            if i < len(row.draft) and not probe.accept(row.draft[i]):  # propose() cut what it forbids
+                raise RuntimeError(f"proposal {row.draft[i]} is one its grammar forbids")
+    if not index:
+        return []
+    dead: list[Sequence] = []
+    for r in structured.mask_logits(flat, index, matchers):
+        s, i = where[index.index(r)]
+        flat[r] = 0.0  # keeps the sampler's arithmetic finite; nothing is taken from this row
+        if i == 0:
+            dead.append(seqs[s])
+        elif len(rows[s].draft) >= i:
+            rows[s].draft = seqs[s].spec_token_ids = rows[s].draft[:i - 1]
+    return dead
