@@ -195,3 +195,31 @@ def test_bench_serve_unreachable_server_fails_cleanly(tmp_path: Path) -> None:
                    *WORKLOAD, "--save-result", str(out)])
     assert rc == 1
     assert json.loads(out.read_text())["metrics"]["failed"] == 6
+
+
+# ---- the json-schema workload --------------------------------------------------------------------------
+
+def test_json_schema_workload_payloads_and_validation_counts() -> None:
+    from pagoda.bench.datasets import SCHEMAS, json_schema_requests
+    from pagoda.bench.serve import Target, _payload, schema_metrics, unconstrained_twins
+    from pagoda.model.default_model import default_model_path
+    from pagoda.model.tokenizer import load_tokenizer
+
+    reqs = json_schema_requests(load_tokenizer(default_model_path()), num_prompts=8, max_tokens=64)
+    assert [r.schema for r in reqs] == [SCHEMAS[i % len(SCHEMAS)] for i in range(8)]
+    target = Target("http://x/v1/chat/completions", "m", True, {}, 1.0)
+    body = _payload(target, "hi", reqs[1], index=1)
+    assert body["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "bench", "schema": SCHEMAS[1], "strict": True}}
+    assert "ignore_eos" not in body and body["max_tokens"] == 64 and body["seed"] == 1
+    valid = {"city": "Oslo", "country": "Norway", "population": 700000, "coastal": True}
+    results = [RequestResult(1, 64, success=True, text=json.dumps(valid), finish_reason="stop", output_tokens=20),
+               RequestResult(1, 64, success=True, text='{"city": 1}', finish_reason="stop", output_tokens=5),
+               RequestResult(1, 64, success=True, text='{"city": "O', finish_reason="length", output_tokens=64),
+               RequestResult(1, 64, success=False)]
+    picked = [reqs[2]] * 4  # SCHEMAS[2] is the city schema
+    assert schema_metrics(results, picked) == {"valid": 1, "invalid": 1, "cut": 1}
+    twins = unconstrained_twins(picked, results)
+    assert [t.output_len for t in twins] == [20, 5, 64, 1] and all(t.schema is None for t in twins)
+    free = _payload(target, "hi", twins[0], index=0)
+    assert free["ignore_eos"] is True and "response_format" not in free and free["temperature"] == 0.8

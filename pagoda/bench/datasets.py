@@ -15,7 +15,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 CORPUS_PATH = Path("/usr/share/common-licenses/GPL-3")
 
@@ -34,7 +34,39 @@ class Encoder(Protocol):
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
-    output_len: int
+    output_len: int  # tokens to generate (with a schema: the cap; the constraint ends the output)
+    schema: dict[str, Any] | None = None  # json-schema dataset: the output must match it
+    temperature: float = 0.0
+
+
+# The json-schema workload's distinct schemas (also `pagoda bench structured`'s): bounded strings and arrays,
+# so that a small model sampling at 0.8 finishes inside the token cap.
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "maxLength": 32}}, "required": ["name", "age", "email"]},
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"type": "string",
+                                                                                          "maxLength": 12},
+                                                            "minItems": 1, "maxItems": 4},
+        "rating": {"enum": [1, 2, 3, 4, 5]}}, "required": ["title", "tags", "rating"]},
+    {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer"}, "coastal": {"type": "boolean"}},
+     "required": ["city", "country", "population", "coastal"]},
+    {"type": "object", "properties": {
+        "order_id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}, "items": {"type": "array", "items": {
+            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 10},
+                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"]}, "minItems": 1, "maxItems": 3}}, "required": ["order_id", "items"]},
+]
+
+
+def json_schema_requests(tokenizer: Encoder, num_prompts: int = 64, max_tokens: int = 128,
+                         seed: int = DEFAULT_SEED) -> list[BenchRequest]:
+    """Short prompts, each asking for an object under one of SCHEMAS in turn, sampled at temperature 0.8."""
+    base = synthetic_chat_requests(tokenizer, num_prompts, (16, 64), (1, 1), seed)
+    return [BenchRequest(r.prompt_token_ids, max_tokens, SCHEMAS[i % len(SCHEMAS)], 0.8) for i, r in enumerate(base)]
 
 
 def load_corpus(path: str | Path = CORPUS_PATH) -> str:
@@ -188,10 +220,12 @@ def _check_range(name: str, r: Sequence[int]) -> tuple[int, int]:
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     """Workload flags shared by `pagoda bench throughput` and `pagoda bench serve`."""
     g = p.add_argument_group("workload (log-uniform lengths, prompts cut from GPL-3 text)")
-    g.add_argument("--dataset", choices=["chat", "prefix", "multiturn", "edit"], default="chat",
+    g.add_argument("--dataset", choices=["chat", "prefix", "multiturn", "edit", "json-schema"], default="chat",
                    help="chat: independent prompts; prefix: --num-prefixes shared prefixes of --prefix-len "
                         "tokens + a --question-len question; multiturn: replayed conversations; edit: repeat or "
-                        "correct a passage of --input-len-range tokens (input-grounded: outputs copy the input)")
+                        "correct a passage of --input-len-range tokens (input-grounded: outputs copy the input); "
+                        "json-schema: each request a JSON object under one of several schemas (response_format), "
+                        "capped at the top of --output-len-range tokens")
     g.add_argument("--num-prefixes", type=int, default=8)
     g.add_argument("--prefix-len", type=int, default=512)
     g.add_argument("--question-len", type=int, default=32)
@@ -218,6 +252,8 @@ def requests_from_args(args: argparse.Namespace, tokenizer: Encoder) -> list[Ben
                                       args.question_len, args.output_len_range, seed_from_args(args))
     if dataset == "edit":
         return edit_requests(tokenizer, args.num_prompts, args.input_len_range, seed_from_args(args))
+    if dataset == "json-schema":
+        return json_schema_requests(tokenizer, args.num_prompts, args.output_len_range[1], seed_from_args(args))
     if dataset == "multiturn":
         return multi_turn_requests(tokenizer, max(1, args.num_prompts // args.num_turns), args.num_turns,
                                    seed=seed_from_args(args))

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import math
 import os
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pagoda.bench.datasets import BenchRequest, add_dataset_args, requests_from_args, seed_from_args
+from pagoda.bench.datasets import SCHEMAS, BenchRequest, add_dataset_args, requests_from_args, seed_from_args
 
 # The latency metrics reported, as (key, label); values are kept in seconds and reported in ms.
 LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
@@ -46,6 +48,8 @@ class RequestResult:
     latency: float = 0.0            # e2e: sent to end of stream
     start: float = 0.0              # sent, relative to the benchmark start
     error: str = ""
+    text: str = ""                  # the output, assembled from the stream
+    finish_reason: str | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -107,6 +111,34 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
     return np.cumsum(gaps).tolist()
 
 
+def schema_metrics(results: Sequence[RequestResult], requests: Sequence[BenchRequest]) -> dict[str, int]:
+    """Of the successful constrained requests: outputs that parse and validate against their schema, those
+    that do not, and those cut by max_tokens (finish_reason "length": incomplete by the client's choice)."""
+    import jsonschema
+
+    counts = {"valid": 0, "invalid": 0, "cut": 0}
+    for res, req in zip(results, requests):
+        if req.schema is None or not res.success:
+            continue
+        if res.finish_reason == "length":
+            counts["cut"] += 1
+            continue
+        try:
+            jsonschema.validate(json.loads(res.text), req.schema)
+        except (ValueError, jsonschema.ValidationError):
+            counts["invalid"] += 1
+        else:
+            counts["valid"] += 1
+    return counts
+
+
+def unconstrained_twins(requests: Sequence[BenchRequest], results: Sequence[RequestResult]) -> list[BenchRequest]:
+    """The same requests without their schemas, each generating exactly the tokens its constrained run did:
+    the same model work, so the two runs' times compare directly."""
+    return [dataclasses.replace(req, output_len=max(1, res.output_tokens), schema=None)
+            for req, res in zip(requests, results)]
+
+
 # ---- the client ------------------------------------------------------------------------------------
 
 @dataclass
@@ -119,16 +151,22 @@ class Target:
     timeout_s: float
 
 
-def _payload(target: Target, prompt: str | list[int], output_len: int) -> dict[str, Any]:
+def _payload(target: Target, prompt: str | list[int], req: BenchRequest, index: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": target.model,
-        "max_tokens": output_len,
-        "temperature": 0.0,
+        "max_tokens": req.output_len,
+        "temperature": req.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
-        # vLLM's extra (pagoda's too): generate exactly max_tokens; servers that do not know it ignore it.
-        "ignore_eos": True,
     }
+    if req.temperature:
+        body["seed"] = index  # the same draws on every server and every run
+    if req.schema is not None:  # the constraint ends the output
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench", "schema": req.schema, "strict": True}}
+    else:
+        # vLLM's extra (pagoda's too): generate exactly max_tokens; servers that do not know it ignore it.
+        body["ignore_eos"] = True
     if target.chat:
         if not isinstance(prompt, str):
             raise ValueError("a chat endpoint takes text prompts: use --prompt-format text")
@@ -149,7 +187,7 @@ def _chunk_has_output(target: Target, choice: dict[str, Any]) -> bool:
 
 
 async def send_request(client: Any, target: Target, prompt: str | list[int], req: BenchRequest,
-                       t_origin: float) -> RequestResult:
+                       t_origin: float, index: int = 0) -> RequestResult:
     """One streaming request; never raises (failures become success=False with the error text)."""
     res = RequestResult(prompt_len=len(req.prompt_token_ids), requested_output_len=req.output_len)
     t0 = time.perf_counter()
@@ -160,7 +198,7 @@ async def send_request(client: Any, target: Target, prompt: str | list[int], req
 
     async def run() -> None:
         nonlocal chunks, usage_out, last
-        async with client.stream("POST", target.url, json=_payload(target, prompt, req.output_len),
+        async with client.stream("POST", target.url, json=_payload(target, prompt, req, index),
                                  headers=target.headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
@@ -177,6 +215,10 @@ async def send_request(client: Any, target: Target, prompt: str | list[int], req
                 if obj.get("error"):
                     raise RuntimeError(f"error in stream: {json.dumps(obj['error'])[:300]}")
                 choices = obj.get("choices")
+                if choices:
+                    c = choices[0]
+                    res.text += ((c.get("delta") or {}).get("content") if target.chat else c.get("text")) or ""
+                    res.finish_reason = c.get("finish_reason") or res.finish_reason
                 if choices and _chunk_has_output(target, choices[0]):
                     if chunks == 0:
                         res.ttft = now - t0
@@ -229,10 +271,10 @@ async def run_benchmark(target: Target, requests: Sequence[BenchRequest], prompt
         async def one(i: int) -> RequestResult:
             nonlocal done
             if sem is None:
-                r = await send_request(client, target, prompts[i], requests[i], t_origin)
+                r = await send_request(client, target, prompts[i], requests[i], t_origin, i)
             else:
                 async with sem:
-                    r = await send_request(client, target, prompts[i], requests[i], t_origin)
+                    r = await send_request(client, target, prompts[i], requests[i], t_origin, i)
             done += 1
             if progress and (done == len(requests) or done % max(1, len(requests) // 10) == 0):
                 _note(f"  {done}/{len(requests)} requests done")
@@ -248,6 +290,26 @@ async def run_benchmark(target: Target, requests: Sequence[BenchRequest], prompt
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_origin
     return list(results), duration
+
+
+async def schema_ttft(target: Target, prompt: str | list[int], req: BenchRequest, rounds: int) -> dict[str, Any]:
+    """Median TTFT of a request whose schema the server has never seen (its compile included) and of the same
+    request again (its grammar cached), one request at a time, the prompt already in the prefix cache."""
+    import httpx
+
+    new, cached = [], []
+    async with httpx.AsyncClient(timeout=target.timeout_s, trust_env=False) as client:
+        await send_request(client, target, prompt, dataclasses.replace(req, output_len=4, schema=None),
+                           time.perf_counter())
+        for _ in range(rounds):
+            fresh = dataclasses.replace(req, output_len=8, temperature=0.0,
+                                        schema={**SCHEMAS[0], "title": f"fresh-{uuid.uuid4().hex}"})
+            for times in (new, cached):
+                r = await send_request(client, target, prompt, fresh, time.perf_counter())
+                if not r.success:
+                    raise RuntimeError(f"schema TTFT request failed: {r.error}")
+                times.append(r.ttft)
+    return {"new_ms": 1000 * float(np.median(new)), "cached_ms": 1000 * float(np.median(cached)), "rounds": rounds}
 
 
 class ServerUnreachable(ValueError):
@@ -293,6 +355,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--num-warmups", type=int, default=0, help="short untimed requests sent first")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit in seconds")
+    p.add_argument("--compare-unconstrained", action="store_true",
+                   help="json-schema: then the same requests unconstrained, each generating exactly the tokens its "
+                        "constrained run did, then constrained again; reports the time ratio")
+    p.add_argument("--schema-ttft-rounds", type=int, default=0, metavar="N",
+                   help="then N rounds, one at a time, of a never-seen schema and the same schema again: TTFT "
+                        "with the compile and with the cached grammar (medians)")
     p.add_argument("--label", default=None, help="name of this run in the JSON and in --plot-from legends")
     p.add_argument("--save-result", default=None, metavar="PATH", help="write config, metrics and per-request data")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw latency CDFs and timelines (matplotlib)")
@@ -412,6 +480,31 @@ def main(args: argparse.Namespace) -> int:
         seed_from_args(args), args.num_warmups))
     report = build_report(args, model, results, duration)
     print(format_table(report))
+    constrained = any(r.schema is not None for r in requests)
+    if constrained:
+        report["structured"] = schema_metrics(results, requests)
+        print("JSON outputs: {valid} valid, {invalid} invalid, {cut} cut by max_tokens".format(**report["structured"]))
+    if args.compare_unconstrained:
+        if not constrained:
+            raise ValueError("--compare-unconstrained needs --dataset json-schema")
+        free_results, free_s = asyncio.run(run_benchmark(
+            target, unconstrained_twins(requests, results), prompts, args.request_rate, args.max_concurrency,
+            args.burstiness, seed_from_args(args), 0))
+        again, again_s = asyncio.run(run_benchmark(target, requests, prompts, args.request_rate,
+                                                   args.max_concurrency, args.burstiness, seed_from_args(args), 0))
+        mean_s = (duration + again_s) / 2  # constrained runs on both sides of the unconstrained one
+        report["unconstrained"] = {"metrics": compute_metrics(free_results, free_s), "constrained_again_s": again_s,
+                                   "ratio": free_s / mean_s,
+                                   "same_tokens_again": [r.output_tokens for r in again]
+                                   == [r.output_tokens for r in results]}
+        tokens = report["metrics"]["total_output_tokens"]
+        print(f"constrained {tokens / mean_s:.1f} tok/s (runs {duration:.2f} s, {again_s:.2f} s), unconstrained "
+              f"{report['unconstrained']['metrics']['output_throughput']:.1f} tok/s ({free_s:.2f} s): "
+              f"ratio {report['unconstrained']['ratio']:.2f}x")
+    if args.schema_ttft_rounds:
+        report["schema_ttft_ms"] = asyncio.run(schema_ttft(target, prompts[0], requests[0], args.schema_ttft_rounds))
+        print("TTFT with a new schema {new_ms:.1f} ms, with a cached one {cached_ms:.1f} ms "
+              "(medians of {rounds})".format(**report["schema_ttft_ms"]))
     if report["errors"]:
         _note(f"{report['metrics']['failed']} requests failed; first error: {report['errors'][0]}")
     if args.save_result:

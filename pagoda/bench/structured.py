@@ -13,29 +13,8 @@ import json
 import time
 from typing import Any
 
-from pagoda.bench.datasets import synthetic_chat_requests
+from pagoda.bench.datasets import SCHEMAS, synthetic_chat_requests
 from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
-
-SCHEMAS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "email": {"type": "string", "maxLength": 32}}, "required": ["name", "age", "email"]},
-    {"type": "object", "properties": {
-        "title": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"type": "string",
-                                                                                          "maxLength": 12},
-                                                            "minItems": 1, "maxItems": 4},
-        "rating": {"enum": [1, 2, 3, 4, 5]}}, "required": ["title", "tags", "rating"]},
-    {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
-        "population": {"type": "integer"}, "coastal": {"type": "boolean"}},
-     "required": ["city", "country", "population", "coastal"]},
-    {"type": "object", "properties": {
-        "order_id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}, "items": {"type": "array", "items": {
-            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 10},
-                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["sku", "qty"]}, "minItems": 1, "maxItems": 3}}, "required": ["order_id", "items"]},
-]
-
 
 # Many fixed keys: most of the output is forced text, which jump-forward appends without decoding.
 CONTACT_KEYS = ["first_name", "last_name", "street_address", "city_name", "postal_code", "country_name",

@@ -215,6 +215,9 @@ def main(args: argparse.Namespace) -> int:
     from pagoda import LLM
 
     load_at_start = os.getloadavg()[0]
+    if args.dataset == "json-schema":  # its peers here cannot all constrain: the offline A/B has its own command
+        raise ValueError("bench throughput: for constrained offline throughput use `pagoda bench structured`; "
+                         "--dataset json-schema is for `pagoda bench serve`")
     if "vllm" in (args.compare or []):
         from pagoda.bench.vllm_peer import DEFAULT_VLLM_PYTHON, check_python
 

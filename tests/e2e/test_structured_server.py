@@ -146,3 +146,22 @@ def test_logit_bias_through_the_client(server: ServerProcess, client: openai.Ope
     for bad in ({"1234": 500}, {"x": 1}, {"99999999": 1}):
         r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "logit_bias": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_bench_serve_json_schema_against_the_server(server: ServerProcess, tmp_path) -> None:  # noqa: ANN001
+    """`pagoda bench serve --dataset json-schema`: every output validates, the unconstrained twin run
+    generates exactly as many tokens, and new and cached schemas' TTFT are reported."""
+    from pagoda.entrypoints.cli import main as cli_main
+
+    out = tmp_path / "r.json"
+    assert cli_main(["bench", "serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions",
+                     "--dataset", "json-schema", "--num-prompts", "4", "--output-len-range", "16", "128",
+                     "--max-concurrency", "4", "--compare-unconstrained", "--schema-ttft-rounds", "1",
+                     "--save-result", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["metrics"]["completed"] == 4
+    assert rep["structured"]["valid"] + rep["structured"]["cut"] == 4 and rep["structured"]["invalid"] == 0
+    free = rep["unconstrained"]["metrics"]
+    assert free["completed"] == 4 and free["total_output_tokens"] == rep["metrics"]["total_output_tokens"]
+    assert rep["unconstrained"]["same_tokens_again"] and rep["unconstrained"]["ratio"] > 0
+    assert rep["schema_ttft_ms"]["new_ms"] > 0 and rep["schema_ttft_ms"]["cached_ms"] > 0
