@@ -174,7 +174,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.steps = 0
 
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
         json.dumps(messages)
         return [1, 2, 3]
 

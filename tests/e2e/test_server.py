@@ -390,7 +390,8 @@ class FakeEngine:
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens)
 
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt))
 
     def reset_prefix_cache(self) -> None:

@@ -257,8 +257,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     core = engine.engine
     tokenizer = core.tokenizer
     names = settings.served_model_names
-    tool_format = choose_format(settings.tool_call_parser, tokenizer.chat_template)
-    native_tools = template_reads_tools(tokenizer.chat_template)  # else formats.py describes the tools
+    template = getattr(tokenizer, "chat_template", None)
+    tool_format = choose_format(settings.tool_call_parser, template)
+    native_tools = template_reads_tools(template)  # else formats.py describes the tools
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
