@@ -223,3 +223,14 @@ def test_json_schema_workload_payloads_and_validation_counts() -> None:
     assert [t.output_len for t in twins] == [20, 5, 64, 1] and all(t.schema is None for t in twins)
     free = _payload(target, "hi", twins[0], index=0)
     assert free["ignore_eos"] is True and "response_format" not in free and free["temperature"] == 0.8
+    unseeded = Target("http://x/v1/chat/completions", "m", True, {}, 1.0, seeded=False)
+    assert "seed" not in _payload(unseeded, "hi", reqs[1], index=1)
+
+
+def test_compare_unconstrained_refuses_a_ratio_over_failed_requests() -> None:
+    from pagoda.bench.serve import _all_served
+
+    _all_served([RequestResult(1, 8, success=True)], "constrained")
+    with pytest.raises(RuntimeError, match="1 of 2 requests of the unconstrained run failed.*refused"):
+        _all_served([RequestResult(1, 8, success=True), RequestResult(1, 8, error="ConnectError: refused")],
+                    "unconstrained")
