@@ -22,17 +22,15 @@ def test_parse_row():
     assert (r.name, r.model, r.quantization, r.int8_activations) == ("int4-awq+a8", "ckpt/awq", None, True)
 
 
-def test_a8_rows_load_their_models_with_int8_activations(monkeypatch, tiny_llama, default_gguf):
+def test_a8_rows_load_their_models_with_int8_activations(tiny_llama, default_gguf):
     import argparse
 
     from pagoda.bench.quant_table import _load
     from pagoda.kernels.cpu_extension import kernel_available
-    from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
 
-    monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "float")
     llm = _load(parse_row("int4+a8", tiny_llama), argparse.Namespace(concurrency=4, seed=0),
                 tokenizer=default_gguf, kv_cache_memory="16MiB")
-    assert os.environ[INT4_ACTIVATIONS_ENV] == "float"  # restored
+    assert llm.engine.config.int4_activations == "int8"
     fmt = llm.engine.runner.model.layers[0].mlp.gate_up_proj.qweight.fmt
     assert fmt == ("int4x8" if kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64) else "int4")
 

@@ -154,7 +154,7 @@ def test_float16_is_accepted_and_computes_in_a_cpu_dtype(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="pagoda.config"):
         got = config.resolve_dtype("float16")
         assert config.resolve_dtype("float16") == got
-    assert got == (torch.bfloat16 if config.cpu_has_native_bf16() else torch.float32)
+    assert got == (torch.bfloat16 if config.has_native_bf16() else torch.float32)
     warnings = [r for r in caplog.records if "float16" in r.getMessage()]
     assert len(warnings) == 1  # once per process, on one line
     assert "\n" not in warnings[0].getMessage()

@@ -6,9 +6,10 @@ import torch
 from tiny_models import build_tiny_model
 
 from pagoda import LLM, SamplingParams
-from pagoda.kernels.cpu_extension import has_avx512, kernel_available
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.cpu_features import has_avx512
 from pagoda.kernels.linear import PANELS_STACK_MAX_M
-from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV, PANEL_FORMATS
+from pagoda.kernels.quant_linear import PANEL_FORMATS
 
 pytestmark = pytest.mark.skipif(not (kernel_available() and has_avx512()),
                                 reason="the stack needs the C++ streaming kernels (AVX-512)")
@@ -38,12 +39,11 @@ def _run(llm: LLM, params: SamplingParams) -> tuple[list, set[str]]:
     ("tiny_llama", "float32", "int8", "fp8_e4m3"),
     ("tiny_llama", "bfloat16", "fp8", "auto"),
 ])
-def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype, default_gguf, request, monkeypatch):
+def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype, default_gguf, request):
     int8_activations = quantization == "int4+int8-activations"
-    if int8_activations:  # the int4x8 layout and its kernel (where the CPU has VNNI)
-        monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int8")
-        quantization = "int4"
     kw = {"quantization": quantization} if quantization else {}
+    if int8_activations:  # the int4x8 layout and its kernel (where the CPU has VNNI)
+        kw = {"quantization": "int4", "int4_activations": "int8"}
     llm = LLM(request.getfixturevalue(model), tokenizer=default_gguf, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
               max_num_seqs=4, **kw)
     net = llm.engine.runner.model

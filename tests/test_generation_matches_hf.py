@@ -38,8 +38,22 @@ def hf_qwen2(tiny_qwen2):
     return hf_greedy(tiny_qwen2, PROMPTS, 24)
 
 
-def test_tiny_llama_greedy_matches_hf(tiny_llama, default_gguf, hf_llama):
-    assert run(tiny_llama, default_gguf, 24) == hf_llama
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_tiny_llama_greedy_matches_hf(tiny_llama, default_gguf, hf_llama, kernels):
+    assert run(tiny_llama, default_gguf, 24, kernels=kernels) == hf_llama
+
+
+def test_torch_kernels_setting_keeps_every_layer_off_the_cpp_kernels(tiny_llama, default_gguf):
+    from pagoda.layers.linear import Linear
+
+    model = LLM(tiny_llama, tokenizer=default_gguf, dtype="bfloat16", kernels="torch",
+                kv_cache_memory="16MiB").engine.runner.model
+    assert model.stack is None
+    assert all(not m.kernel for m in model.modules() if hasattr(m, "kernel"))
+    assert all(m.panels is None and not m.small_m_ok for m in model.modules() if isinstance(m, Linear))
+    assert model.attention_layers()[0].k_cache.dim() == 4  # K words are the C++ attention's layout
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch"):
+        LLM(tiny_llama, tokenizer=default_gguf, kernels="cuda")
 
 
 def test_tiny_qwen2_with_bias_and_tied_embeddings_matches_hf(tiny_qwen2, default_gguf, hf_qwen2):

@@ -26,13 +26,15 @@ PATHS = ["cpp", "torch"]
 
 
 @pytest.fixture
-def path(request, monkeypatch):
-    """Run the test on the C++ kernels or on the pure-torch fallback (PAGODA_DISABLE_CPP_KERNELS=1)."""
+def path(request):
+    """Run the test on the C++ kernels or on the pure-torch fallback (kernels="torch")."""
     if request.param == "cpp" and not pa.kernel_available():
         pytest.skip("C++ kernels did not build")
-    if request.param == "torch":
-        monkeypatch.setenv("PAGODA_DISABLE_CPP_KERNELS", "1")
     return request.param
+
+
+def engine_kernels(path: str) -> str:
+    return "auto" if path == "cpp" else "torch"
 
 
 def kv_like(shape, g, decades=(-3, 1)):
@@ -62,7 +64,7 @@ def test_write_then_dequantize_round_trips_within_the_format_bound(path, kv_dtyp
     k, v = kv_like((T, hkv, d), g).to(dtype), kv_like((T, hkv, d), g).to(dtype)
     slots = torch.randperm(nb * bs, generator=g)[:T]
     kc, vc, ks, vs = empty_cache(nb, hkv, bs, d, kv_dtype)
-    write_kv_cache(k, v, kc, vc, slots, ks, vs)
+    write_kv_cache(k, v, kc, vc, slots, ks, vs, kernel=path == "cpp")
     blocks, offs = slots // bs, slots % bs
     for x, cache, scales in ((k, kc, ks), (v, vc, vs)):
         x = x.float()
@@ -79,15 +81,14 @@ def test_write_then_dequantize_round_trips_within_the_format_bound(path, kv_dtyp
 
 @needs_kernel
 @pytest.mark.parametrize("kv_dtype", list(QUANT))
-def test_cpp_and_torch_writes_store_the_same_bytes(kv_dtype, monkeypatch):
+def test_cpp_and_torch_writes_store_the_same_bytes(kv_dtype):
     g = torch.Generator().manual_seed(2)
     k, v = kv_like((33, 2, 64), g), kv_like((33, 2, 64), g)
     slots = torch.randperm(40, generator=g)[:33]
     stores = []
-    for disabled in ("0", "1"):
-        monkeypatch.setenv("PAGODA_DISABLE_CPP_KERNELS", disabled)
+    for kernel in (True, False):
         kc, vc, ks, vs = empty_cache(10, 2, 4, 64, kv_dtype)
-        write_kv_cache(k, v, kc, vc, slots, ks, vs)
+        write_kv_cache(k, v, kc, vc, slots, ks, vs, kernel=kernel)
         stores.append((kc.view(torch.uint8), vc.view(torch.uint8), ks, vs))
     for a, b in zip(*stores):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
@@ -163,7 +164,7 @@ VS_ORIGINAL_MAX_REL = {"int8": 0.03, "fp8_e4m3": 0.045, "fp8_e5m2": 0.07}
 def test_attention_over_quantized_cache_matches_float_reference(path, kv_dtype, hq, hkv, bs):
     d, scale = 64, 0.125
     q, cache, bt, qsl, sl, ok, ov = make_quant_batch(MIXED, hq, hkv, d, bs, torch.float32, kv_dtype, seed=hq)
-    got = pa.paged_attention(q, cache[0], cache[1], bt, qsl, sl, scale, cache[2], cache[3])
+    got = pa.paged_attention(q, cache[0], cache[1], bt, qsl, sl, scale, cache[2], cache[3], kernel=path == "cpp")
     dk, dv = dequantized_context(cache, bt, sl, bs)
     # On the dequantized K/V the only difference is fp32 summation order (keys reach |80| on the outlier
     # channel, so scores are large and the softmax sharp: 1e-4, still 10x below any quantization effect).
@@ -220,7 +221,8 @@ def test_pool_holds_2x_blocks_vs_bf16_and_4x_vs_fp32(tiny_d64, default_gguf):
 def test_preempted_requests_resume_with_identical_tokens_on_int8_kv(path, tiny_llama, default_gguf):
     prompts = [[1, 5 + i, 9, 13, 17 + 3 * i, 21, 25][: 3 + i] for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(tokenizer=default_gguf, dtype="float32", block_size=4, kv_cache_dtype="int8")
+    kw = dict(tokenizer=default_gguf, dtype="float32", block_size=4, kv_cache_dtype="int8",
+              kernels=engine_kernels(path))
     big = LLM(tiny_llama, kv_cache_memory="8MiB", **kw)
     per_block = big.engine.runner.kv_bytes_per_block()
     small = LLM(tiny_llama, kv_cache_memory=20 * per_block, **kw)
@@ -234,7 +236,7 @@ def test_preempted_requests_resume_with_identical_tokens_on_int8_kv(path, tiny_l
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 def test_parallel_samples_copy_on_write_carries_the_scales(path, tiny_llama, default_gguf):
     llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", block_size=4, kv_cache_dtype="fp8_e4m3",
-              enable_prefix_caching=False, kv_cache_memory="8MiB")
+              enable_prefix_caching=False, kv_cache_memory="8MiB", kernels=engine_kernels(path))
     prompts = [[1, 7, 11, 13, 17, 19], [1, 23, 29]]  # partial last blocks: the forks copy them on first write
     one = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     three = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),

@@ -401,6 +401,7 @@ def test_nan_weights_in_a_gguf_warn_naming_the_tensor(tiny_weights, tmp_path, ca
 def test_nan_weights_warn_on_the_native_gguf_path_too(tiny_weights, tmp_path, caplog) -> None:
     from pagoda.config import EngineConfig
     from pagoda.executor.model_runner import ModelRunner
+    from pagoda.kernels.policy import KernelPolicy
     from pagoda.model.args import ModelArgs
 
     weights = dict(tiny_weights)
@@ -410,7 +411,7 @@ def test_nan_weights_warn_on_the_native_gguf_path_too(tiny_weights, tmp_path, ca
     files = resolve_model_files(str(path))
     with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
         ModelRunner(EngineConfig.from_kwargs(str(path), quantization="gguf"), files,
-                    ModelArgs.from_hf_config(files.hf_config), torch.float32)
+                    ModelArgs.from_hf_config(files.hf_config), torch.float32, KernelPolicy.resolve())
     warnings = [r.getMessage() for r in caplog.records
                 if r.levelno == logging.WARNING and "non-finite" in r.getMessage()]
     assert any("model.norm.weight" in w and "inf.gguf" in w for w in warnings), warnings

@@ -166,12 +166,11 @@ def test_int4x8_layout_round_trips_and_dequantizes_alike(dtype):
     torch.testing.assert_close(quant_linear(x, il, None), quant_linear(x, pw, None))
 
 
-def test_int4_activation_mode_is_chosen_by_the_environment(monkeypatch):
-    from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV, kernel_layout
+def test_int4_activation_mode_picks_the_layout():
+    from pagoda.kernels.quant_linear import kernel_layout
 
     pw, _ = _case("int4", 576, 48, False, 64)
     f32, bf16 = torch.float32, torch.bfloat16
-    monkeypatch.delenv(INT4_ACTIVATIONS_ENV, raising=False)
     # Default: float activations; fp32 keeps the row layout, bf16 takes the panels where the build has them.
     assert kernel_layout(pw, f32) is pw
     panels = cpp_supported(pw) and torch.ops.pagoda.quant_panels_supported(576, 64)
@@ -182,16 +181,14 @@ def test_int4_activation_mode_is_chosen_by_the_environment(monkeypatch):
     assert kernel_layout(q8, f32) is q8 and kernel_layout(q8, bf16).fmt == ("int8p" if panels else "int8")
     f8, _ = _case("fp8", 576, 48, False)
     assert kernel_layout(f8, f32) is f8 and kernel_layout(f8, bf16).fmt == ("fp8p" if panels else "fp8")
-    monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int8")
     vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
     for dtype in (f32, bf16):
-        assert kernel_layout(pw, dtype).fmt == ("int4x8" if vnni else "int4")
-    assert kernel_layout(odd_rows, bf16) is odd_rows  # blocks of 8 rows
+        assert kernel_layout(pw, dtype, "int8").fmt == ("int4x8" if vnni else "int4")
+    assert kernel_layout(odd_rows, bf16, "int8") is odd_rows  # blocks of 8 rows
     int8, _ = _case("int8", 576, 40, False)
-    assert kernel_layout(int8, bf16) is int8
-    monkeypatch.setenv(INT4_ACTIVATIONS_ENV, "int4")
-    with pytest.raises(ValueError, match=INT4_ACTIVATIONS_ENV):
-        kernel_layout(pw, bf16)
+    assert kernel_layout(int8, bf16, "int8") is int8
+    with pytest.raises(ValueError, match="int4_activations"):
+        kernel_layout(pw, bf16, "int4")
 
 
 _PANELS = pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.quant_panels_supported(64, 64)),

@@ -26,7 +26,7 @@ _SAVE_DTYPE = "float32"
 
 
 def hf_copies_dir() -> str:
-    from pagoda.model.tokenizer import cache_dir
+    from pagoda.config import cache_dir
 
     return os.path.join(cache_dir(), "hf_copies")
 

@@ -63,7 +63,7 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         out["int4 panels"] = lambda: quant_linear(xb, p4p, None, use_cpp=True)
         out["int8 panels"] = lambda: quant_linear(xb, p8p, None, use_cpp=True)
         out["fp8 panels"] = lambda: quant_linear(xb, pfp, None, use_cpp=True)
-    if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # PAGODA_INT4_ACTIVATIONS=int8
+    if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # int4_activations="int8"
         p4x8 = p4.interleave8()
         out["int4x8 int8-act"] = lambda: quant_linear(xb, p4x8, None, use_cpp=True, max_cpp_m=1 << 30)
     q8 = p8.data

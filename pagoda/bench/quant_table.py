@@ -14,12 +14,10 @@ import os
 import sys
 import time
 from typing import Any
-from unittest import mock
 
 import torch
 
 from pagoda.bench.datasets import BenchRequest, load_corpus, synthetic_chat_requests
-from pagoda.kernels.quant_linear import INT4_ACTIVATIONS_ENV
 
 DEFAULT_ROWS = ["float32", "bfloat16", "int8", "int4", "fp8", "gguf"]
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
@@ -31,7 +29,7 @@ class RowSpec:
     model: str | None
     dtype: str
     quantization: str | None
-    int8_activations: bool = False  # INT4 layers with PAGODA_INT4_ACTIVATIONS=int8
+    int8_activations: bool = False  # INT4 layers with int4_activations="int8"
 
 
 def parse_row(spec: str, model: str | None) -> RowSpec:
@@ -81,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS,
                    help="float32 bfloat16 int8 int4 fp8 gguf, or NAME=CHECKPOINT_DIR for a saved checkpoint; "
-                        "NAME+a8 (int4+a8, gguf+a8, int4-awq+a8=DIR) with PAGODA_INT4_ACTIVATIONS=int8")
+                        "NAME+a8 (int4+a8, gguf+a8, int4-awq+a8=DIR) with int4_activations=int8")
     p.add_argument("--compare", nargs="*", choices=["llama-cpp"], default=[])
     p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
     p.add_argument("--text", default=DEFAULT_TEXT, help="perplexity text (default: GPL-3)")
@@ -112,15 +110,15 @@ def _workload(tokenizer: Any, args: argparse.Namespace) -> tuple[list[BenchReque
 
 
 def _load(row: RowSpec, args: argparse.Namespace, **extra: Any) -> Any:
-    """The row's LLM. PAGODA_INT4_ACTIVATIONS is read when a model is prepared, so it is set for the load."""
+    """The row's LLM: its dtype, quantization and INT4 activations."""
     from pagoda import LLM
 
     kw: dict[str, Any] = {"dtype": row.dtype, "max_num_seqs": args.concurrency, "kv_cache_memory": "2GiB",
-                          "seed": args.seed, **extra}
+                          "seed": args.seed, "int4_activations": "int8" if row.int8_activations else "float",
+                          **extra}
     if row.quantization:
         kw["quantization"] = row.quantization
-    with mock.patch.dict(os.environ, {INT4_ACTIVATIONS_ENV: "int8" if row.int8_activations else "float"}):
-        return LLM(row.model, **kw)
+    return LLM(row.model, **kw)
 
 
 def measure_row(row: RowSpec, reqs: list[BenchRequest], text_ids: list[int],

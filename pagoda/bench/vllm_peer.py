@@ -24,7 +24,7 @@ from pagoda.bench.datasets import BenchRequest
 
 def peer_python(name: str, env_var: str) -> str:
     """The python of peer `name`: $env_var, else the venv scripts/install-peers.sh makes in the cache folder."""
-    from pagoda.model.tokenizer import cache_dir
+    from pagoda.config import cache_dir
 
     return os.environ.get(env_var) or os.path.join(cache_dir(), "peers", name, "bin", "python")
 

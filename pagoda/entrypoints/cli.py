@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Any
 
 import pagoda
+from pagoda.kernels.policy import INT4_ACTIVATIONS, KERNELS
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,6 +64,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "llguidance for a constraint xgrammar rejects)")
     p.add_argument("--structured-outputs-jump-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="append the text a grammar forces in one step instead of one step per token (default on)")
+    p.add_argument("--kernels", default=None, choices=list(KERNELS),
+                   help="auto: Pagoda's C++ CPU kernels where they build, else torch; torch: torch ops only "
+                        "(default auto)")
+    p.add_argument("--int4-activations", default=None, choices=list(INT4_ACTIVATIONS),
+                   help="int8: INT4 weights compute with INT8 activations (VNNI; faster, slightly higher "
+                        "perplexity; see docs/benchmarks.md) (default float)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -78,7 +85,8 @@ def _json_object(text: str) -> dict[str, Any]:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
-            "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward"]
+            "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
+            "int4_activations"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -11,6 +11,7 @@ from pagoda.config import EngineConfig
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
 from pagoda.kernels.paged_attention import k_cache_shape
+from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles
@@ -64,8 +65,10 @@ class FlatBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: ModelFiles, args: ModelArgs, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, files: ModelFiles, args: ModelArgs, dtype: torch.dtype,
+                 policy: KernelPolicy) -> None:
         self.config = config
+        self.policy = policy
         self.args = args
         self.dtype = dtype
         self.device = torch.device(config.device)
@@ -81,7 +84,7 @@ class ModelRunner:
                 m.cos, m.sin = fresh.cos.to(self.device), fresh.sin.to(self.device)
         # Weights as stored, or quantized by config.quantization (ties lm_head to the embedding).
         load_quantized_model(model, files, dtype, config.quantization, config.quantization_group_size)
-        model.prepare()
+        model.prepare(policy)
         self.model = model.eval()
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -102,7 +105,7 @@ class ModelRunner:
         a = self.args
         fmt = kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype)
         shape = (num_blocks, a.num_kv_heads, self.block_size, a.head_dim)
-        k_shape = k_cache_shape(*shape, fmt.dtype) if self.device.type == "cpu" else shape
+        k_shape = k_cache_shape(*shape, fmt.dtype, self.policy.cpp) if self.device.type == "cpu" else shape
         # torch.empty on CPU: a large fresh allocation is mmap'd zero pages that the OS maps in only when
         # written, so RSS follows the tokens cached rather than the pool size (zeros would touch every page).
         # Unwritten slots are never read: attention only reads a sequence's first seq_len keys (the NaN-filled

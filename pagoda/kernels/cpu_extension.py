@@ -2,21 +2,22 @@
 
 The library registers ops under torch.ops.pagoda.*. It compiles lazily on first use with
 torch.utils.cpp_extension and is reused by every later process (keyed by source, torch version,
-flags and CPU). When it cannot be built, or PAGODA_DISABLE_CPP_KERNELS=1, callers use torch fallbacks.
+flags and CPU). When it cannot be built, callers use torch fallbacks; whether a model may use it at all is
+config's `kernels` (kernels/policy.py).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
-import platform
 import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+from pagoda.kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -34,30 +35,6 @@ _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "warned": False}
 
 
-@functools.cache
-def cpu_flags() -> str:
-    """The `flags` (x86) or `Features` (Arm) line of /proc/cpuinfo ("" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def has_avx512() -> bool:
-    """The kernels are built with -march=native: their vector paths need AVX-512 (F and BW)."""
-    return " avx512f" in cpu_flags() and " avx512bw" in cpu_flags()
-
-
-def disabled() -> bool:
-    return os.environ.get("PAGODA_DISABLE_CPP_KERNELS", "0") not in ("", "0", "false", "False")
-
-
-def _cpu_fingerprint() -> str:
-    """-march=native output is CPU specific: a shared home dir must not reuse a build."""
-    return cpu_flags() or platform.processor()
-
-
 def build_directory(src_dir: Path = _SRC_DIR) -> Path:
     """Per source/torch/CPU build dir, so every process reuses one compiled library.
 
@@ -67,7 +44,8 @@ def build_directory(src_dir: Path = _SRC_DIR) -> Path:
     h = hashlib.sha256()
     for src in (*sorted(src_dir.glob("*.cpp")), *sorted(src_dir.glob("*.h"))):
         h.update(src.read_bytes())
-    for part in (torch.__version__, " ".join(_CFLAGS), " ".join(_LDFLAGS), _cpu_fingerprint()):
+    # -march=native builds are CPU specific: a shared home folder must not reuse another CPU's build.
+    for part in (torch.__version__, " ".join(_CFLAGS), " ".join(_LDFLAGS), cpu_features.fingerprint()):
         h.update(part.encode())
     where = hashlib.sha256(str(src_dir.resolve()).encode()).hexdigest()[:8]
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagoda" / "torch_extensions"
@@ -117,7 +95,7 @@ def _load() -> bool:
 
 
 def kernel_available() -> bool:
-    """True when the C++ kernel is enabled and compiled (triggers the lazy build)."""
-    return not disabled() and _load()
+    """True when the C++ kernels are compiled and loaded (triggers the lazy build once)."""
+    return _load()
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels.cpu_extension import has_avx512, kernel_available
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.cpu_features import has_avx512
 from pagoda.kernels.kv_quant import quantize_kv
 
 # With AVX-512 the C++ ops are vectorized and row-parallel: faster than torch's at every size measured
@@ -23,8 +24,7 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 
 def _use_kernel(x: torch.Tensor, kernel: bool | None = None) -> bool:
-    """`kernel`: kernel_available(), decided once by a layer at prepare() (it reads the environment,
-    ~1 us, and a decode step makes ~180 of these calls); None checks now."""
+    """`kernel`: the layer's KernelPolicy.cpp, set at prepare(); None: whether the kernels built."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and (kernel_available() if kernel is None else kernel))
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.config import cpu_has_native_bf16
-from pagoda.kernels.cpu_extension import cpu_flags, has_avx512, kernel_available
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.cpu_features import has_avx512, has_avx512_bf16
 
 SMALL_M = 8  # rows up to which the streaming kernel beats oneDNN/MKL (decode batches)
 PANEL = 16  # output columns per panel of packed_linear's layout
@@ -28,7 +28,7 @@ def vector_kernels(dtype: torch.dtype) -> bool:
     """Whether the C++ linear kernels (built with -march=native) run `dtype` here: AVX-512 for fp32,
     AVX512-BF16 for bf16."""
     if dtype == torch.bfloat16:
-        ok = cpu_has_native_bf16() and "avx512_bf16" in cpu_flags()
+        ok = has_avx512_bf16()
     elif dtype == torch.float32:
         ok = has_avx512()
     else:

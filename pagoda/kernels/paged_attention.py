@@ -2,7 +2,7 @@
 
 `paged_attention` runs a C++ kernel (compiled lazily on first use, cached on disk
 across processes) and falls back to `paged_attention_reference`, a simple pure-torch
-version, when the kernel cannot be built or `PAGODA_DISABLE_CPP_KERNELS=1`.
+version, when the kernel cannot be built or config says `kernels="torch"`.
 
 Cache layout: ``[num_blocks, Hkv, block_size, D]``; a token at position ``j`` of
 sequence ``b`` lives at ``cache[block_tables[b, j // block_size], :, j % block_size]``.
@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from pagoda.kernels.cpu_extension import cpu_flags, kernel_available
-from pagoda.kernels.cpu_extension import disabled as _disabled
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.cpu_features import has_avx512_bf16
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -32,13 +32,14 @@ _warned = False
 def k_words_supported(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     """Whether a K cache of this dtype and shape is stored as words: bf16, on a CPU whose kernel takes them."""
     return (dtype == torch.bfloat16 and block_size % 16 == 0 and head_dim % 32 == 0
-            and "avx512_bf16" in cpu_flags() and kernel_available())
+            and has_avx512_bf16() and kernel_available())
 
 
 def k_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                  dtype: torch.dtype) -> tuple[int, ...]:
-    """The K cache's shape: words (5-D) where `k_words_supported`, else like V's."""
-    if k_words_supported(dtype, block_size, head_dim):
+                  dtype: torch.dtype, kernel: bool | None = None) -> tuple[int, ...]:
+    """The K cache's shape: words (5-D) where `k_words_supported` and the kernels are used (`kernel`: the
+    engine's KernelPolicy.cpp; None: whether they built), else like V's."""
+    if (kernel is not False) and k_words_supported(dtype, block_size, head_dim):
         return (num_blocks, num_kv_heads, head_dim // 2, block_size, 2)
     return (num_blocks, num_kv_heads, block_size, head_dim)
 
@@ -93,11 +94,12 @@ def paged_attention(
 
     Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and
     sees keys ``0..`` that position. Returns ``[T, Hq, D]`` in ``q``'s dtype.
-    ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit. ``kernel``: kernel_available(),
-    decided once by the layer (None checks now).
+    ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit. ``kernel``: the layer's
+    KernelPolicy.cpp (None: whether the kernels built).
     """
     quantized = k_scale is not None
-    if (kernel_available() if kernel is None else kernel) and _kernel_supports(q, k_cache, quantized):
+    use_kernel = kernel_available() if kernel is None else kernel
+    if use_kernel and _kernel_supports(q, k_cache, quantized):
         if quantized:
             return torch.ops.pagoda.paged_attention(
                 q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),
@@ -106,7 +108,7 @@ def paged_attention(
             q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),
             _i32(seq_lens), float(scale))
     global _warned
-    if not _disabled() and not _warned:
+    if use_kernel and not _warned:
         _warned = True
         logger.warning("paged_attention: C++ kernel not used for dtype=%s D=%d; using the torch reference",
                        q.dtype, q.shape[-1])

@@ -7,7 +7,7 @@ output columns (`kernel_layout`: int4p, int8p, fp8p) for one C++ kernel at every
 (cpu/quant_panel_linear.cpp). Otherwise the CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
 which reads each packed weight once per 8 activation rows and accumulates in fp32, for up to
 CPP_MAX_M rows (decode); more rows dequantize the weight in C++ and run oneDNN's GEMM (prefill). On
-request (PAGODA_INT4_ACTIVATIONS=int8), INT4 layers are prepared as int4x8 (`kernel_layout`): an 8-row
+request (config `int4_activations="int8"`), INT4 layers are prepared as int4x8 (`kernel_layout`): an 8-row
 interleaved layout whose few-row kernel quantizes activations to INT8 per 32 columns and computes with
 integer dot products (VNNI). Shapes the kernels cannot take (K or group not a multiple of 32), a missing
 build, or another device use the torch fallback (PackedWeight.dequantize, then F.linear). A CUDA path
@@ -16,7 +16,6 @@ would plug in as another branch of `quant_linear`.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +27,6 @@ from pagoda.kernels.linear import PANEL
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "int4x8": 3, "int4p": 4, "int8p": 5, "fp8p": 6}
 # The panel kernel's (cpu/quant_panel_linear.cpp, at every row count), in the order of its `kind`.
 PANEL_FORMATS = ("int4p", "int8p", "fp8p")
-
-# "float" (default: INT4 stays weight-only) or "int8" (int4x8, see kernel_layout; its perplexity cost is in
-# docs/benchmarks.md). Read when a model is prepared.
-INT4_ACTIVATIONS_ENV = "PAGODA_INT4_ACTIVATIONS"
-
 
 @dataclass
 class PackedWeight:
@@ -223,18 +217,17 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return col, 2 * half + j, 4 + 2 * half + j
 
 
-def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype) -> PackedWeight:
+def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
-    PAGODA_INT4_ACTIVATIONS=int8, INT4 becomes int4x8 where the build has that kernel (VNNI + GFNI; K a
+    `int4_activations="int8"` (KernelPolicy), INT4 becomes int4x8 where the build has that kernel (VNNI + GFNI; K a
     multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, INT4 becomes int4p, INT8 int8p
     and FP8 fp8p where the build has the panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations
     keep the row-major kernels, which compute in fp32 (the panel kernel's operands are bf16)."""
-    mode = os.environ.get(INT4_ACTIVATIONS_ENV, "float")
-    if mode not in ("int8", "float"):
-        raise ValueError(f"{INT4_ACTIVATIONS_ENV} must be 'float' or 'int8', not {mode!r}")
+    if int4_activations not in ("int8", "float"):
+        raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
     if pw.fmt not in ("int4", "int8", "fp8") or not cpp_supported(pw):
         return pw
-    if mode == "int8" and pw.fmt == "int4":
+    if int4_activations == "int8" and pw.fmt == "int4":
         ok = pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size)
         return pw.interleave8() if ok else pw
     if act_dtype == torch.bfloat16 and pw.out_features % PANEL == 0 and (pw.fmt != "fp8" or pw.offsets is None) \

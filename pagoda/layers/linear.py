@@ -6,6 +6,7 @@ from torch import nn
 
 from pagoda.kernels.decoder_stack import LinearArgs
 from pagoda.kernels.linear import PANELS_STACK_MAX_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
+from pagoda.kernels.policy import KernelPolicy
 from pagoda.kernels.quant_linear import (
     CPP_MAX_M,
     FORMATS,
@@ -39,15 +40,19 @@ class Linear(nn.Linear):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
 
-    def prepare(self, act_dtype: torch.dtype) -> None:
-        """`act_dtype`: the model's compute dtype, which picks the quantized kernel (kernel_layout)."""
+    def prepare(self, act_dtype: torch.dtype, policy: KernelPolicy) -> None:
+        """`act_dtype`: the model's compute dtype, which picks the quantized kernel (kernel_layout); `policy`:
+        whether the C++ kernels may run at all."""
         if self.qweight is not None:
-            self.qweight = kernel_layout(self.qweight, act_dtype)
-            self.quant_cpp_ok = cpp_supported(self.qweight)
+            if policy.cpp:
+                self.qweight = kernel_layout(self.qweight, act_dtype, policy.int4_activations)
+            self.quant_cpp_ok = policy.cpp and cpp_supported(self.qweight)
             return
         w = self.weight
-        self.panels = panel_pack(w)
-        if self.panels is None:
+        self.panels = panel_pack(w) if policy.cpp else None
+        if not policy.cpp:
+            self.packed = prepack(w)  # oneDNN's layout: torch's own
+        elif self.panels is None:
             self.small_m_ok = w.device.type == "cpu" and w.is_contiguous() and small_m_supported(w.dtype, w.shape[1])
             self.packed = prepack(w)
 

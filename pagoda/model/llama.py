@@ -10,9 +10,9 @@ from itertools import islice
 import torch
 from torch import nn
 
-from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.decoder_stack import DecoderStack
 from pagoda.kernels.fused_ops import silu_and_mul
+from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.attention import AttentionMetadata, PagedAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
@@ -105,16 +105,16 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, meta)
         return self.norm(x, residual)
 
-    def prepare(self) -> None:
-        """Called once the weights are loaded (and tied): lets each layer pick its kernels."""
-        use_kernels = kernel_available()
+    def prepare(self, policy: KernelPolicy) -> None:
+        """Called once the weights are loaded (and tied): lets each layer pick its kernels under `policy`."""
+        use_kernels = policy.cpp
         act_dtype = self.norm.weight.dtype
         # A GGUF table shared by the embedding and the tied lm_head stays one table in the head's kernel
         # layout (PackedWeight.rows gathers the embedding's rows from it).
         shared = isinstance(self.embed_tokens, QuantEmbedding) and self.lm_head.qweight is self.embed_tokens.pw
         for m in self.modules():
             if isinstance(m, Linear):
-                m.prepare(act_dtype)
+                m.prepare(act_dtype, policy)
             elif hasattr(m, "kernel"):  # norms, rope, attention, MLP: fused C++ ops or torch
                 m.kernel = use_kernels
             # Submodules and parameters also into the instance dict: nn.Module.__getattr__ (a Python

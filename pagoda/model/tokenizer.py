@@ -32,11 +32,6 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<en
                        "<|endoftext|>", "</s>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>")
 
 
-def cache_dir() -> str:
-    """Root of pagoda's on-disk cache (PAGODA_CACHE_DIR overrides ~/.cache/pagoda)."""
-    return os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-
-
 class IncrementalDecoder:
     """Streams text for one sequence, token by token; never emits a partial UTF-8 character."""
 
@@ -356,6 +351,8 @@ def _convert_with_transformers(folder: str, gguf_file: str | None, out_dir: str)
 
 def _cached_conversion(source_files: list[str], folder: str, gguf_file: str | None) -> tuple[_HFTokenizer, dict]:
     """Load a converted tokenizer from the cache, converting (atomically) on a miss."""
+    from pagoda.config import cache_dir  # config imports torch; a tokenizer alone does not need it
+
     root = os.path.join(cache_dir(), "tokenizers")
     final = os.path.join(root, _cache_key(source_files))
     if not (os.path.isfile(os.path.join(final, "meta.json")) and os.path.isfile(os.path.join(final, "tokenizer.json"))):

@@ -126,7 +126,7 @@ class Speculator:
         probe = "Speculative decoding: the quick brown fox, 12345!"
         if draft_tok is not None and draft_tok.encode(probe) != engine.tokenizer.encode(probe):
             raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
-        runner = ModelRunner(engine.config, files, args, engine.dtype)
+        runner = ModelRunner(engine.config, files, args, engine.dtype, engine.kernels)
         num_blocks = engine.kv.pool.num_blocks  # as many blocks as the target: every running sequence fits
         runner.allocate_kv_cache(num_blocks)
         draft_kv = KVCacheManager(num_blocks, engine.config.cache.block_size, enable_prefix_caching=False)

@@ -1,0 +1,36 @@
+"""What this CPU can run, read once from /proc/cpuinfo: the one place kernels and config ask."""
+from __future__ import annotations
+
+import functools
+import platform
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The `flags` (x86) or `Features` (Arm) of /proc/cpuinfo's first processor (empty where there are none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def has_avx512() -> bool:
+    """The kernels are built with -march=native: their vector paths need AVX-512 (F and BW)."""
+    return {"avx512f", "avx512bw"} <= cpu_flags()
+
+
+def has_avx512_bf16() -> bool:
+    """The bf16 vector paths (panel GEMMs, K-word attention) use AVX512-BF16's dot products."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def has_native_bf16() -> bool:
+    """bf16 matmuls run natively (AVX512-BF16 or AMX), so bf16 is the fast compute dtype."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def fingerprint() -> str:
+    """Tells one CPU model's -march=native build from another's."""
+    return " ".join(sorted(cpu_flags())) or platform.processor()
