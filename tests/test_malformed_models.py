@@ -376,7 +376,7 @@ def test_nan_weights_warn_naming_the_tensor_and_still_load(tiny_llama_byte_token
     weights["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
     weights["model.norm.weight"][0] = float("inf")
     save_file(weights, str(st), metadata={"format": "pt"})
-    with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="pagoda.model.errors"):
         llm = LLM(model=str(tiny_llama_byte_tokenizer), dtype="float32", kv_cache_memory="16MiB")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("model.layers.0.mlp.up_proj.weight" in m and "model.safetensors" in m and "1 non-finite" in m
@@ -391,7 +391,7 @@ def test_nan_weights_in_a_gguf_warn_naming_the_tensor(tiny_weights, tmp_path, ca
     weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
     weights["model.embed_tokens.weight"][7, 7] = float("nan")
     path = write_tiny_gguf(tmp_path / "nan.gguf", weights)
-    with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="pagoda.model.errors"):
         loaded = dict(resolve_model_files(str(path)).iter_weights(torch.float32))
     assert torch.isnan(loaded["model.embed_tokens.weight"][7, 7])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -409,7 +409,7 @@ def test_nan_weights_warn_on_the_native_gguf_path_too(tiny_weights, tmp_path, ca
     weights["model.norm.weight"][3] = float("inf")
     path = write_tiny_gguf(tmp_path / "inf.gguf", weights)
     files = resolve_model_files(str(path))
-    with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="pagoda.model.errors"):
         ModelRunner(EngineConfig.from_kwargs(str(path), quantization="gguf"), files,
                     ModelArgs.from_hf_config(files.hf_config), torch.float32, KernelPolicy.resolve())
     warnings = [r.getMessage() for r in caplog.records
@@ -418,7 +418,7 @@ def test_nan_weights_warn_on_the_native_gguf_path_too(tiny_weights, tmp_path, ca
 
 
 def test_finite_weights_do_not_warn(tiny_llama, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="pagoda.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="pagoda.model.errors"):
         _load(Path(tiny_llama))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 

@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagoda.model.errors import ModelFileError
-from pagoda.model.loader import warn_nonfinite
+from pagoda.model.errors import ModelFileError, warn_nonfinite
 
 logger = logging.getLogger(__name__)
 

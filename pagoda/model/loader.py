@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import struct
 from collections.abc import Iterator
@@ -18,9 +17,7 @@ from typing import Any
 import torch
 
 from pagoda.model.args import ModelArgs
-from pagoda.model.errors import ModelFileError
-
-logger = logging.getLogger(__name__)
+from pagoda.model.errors import ModelFileError, warn_nonfinite
 
 _PICKLE_EXTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # The safetensors library refuses headers past 100 MB; checked here first to name the file.
@@ -71,18 +68,6 @@ class ModelFiles:
                 raise ModelFileError(path, f"corrupt safetensors file ({e})") from None
             except OSError as e:
                 raise ModelFileError(path, f"cannot read ({e.strerror or e})") from None
-
-
-def warn_nonfinite(t: torch.Tensor, name: str, path: str) -> None:
-    """Log a warning naming the tensor and file when a weight holds NaN or Inf (it still loads)."""
-    # One reduction pass in the tensor's own dtype (a float32 sum of bf16 takes a path ~50x slower; an
-    # isfinite mask ~40x): any NaN/Inf makes the sum non-finite. An overflowing sum of finite values
-    # (a large fp16 norm) only costs the exact count below, which rules it out.
-    if t.is_floating_point() and t.numel() and not torch.isfinite(t.sum()):
-        bad = t.numel() - int(torch.isfinite(t).sum())
-        if bad:
-            logger.warning("%s: tensor %s has %d non-finite value(s) (NaN/Inf) of %d; outputs will be garbage",
-                           path, name, bad, t.numel())
 
 
 def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:

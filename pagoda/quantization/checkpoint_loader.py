@@ -34,7 +34,7 @@ def check_checkpoint_config(qc: Any, method: str | None, source: str) -> None:
 def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
     from safetensors import safe_open
 
-    from pagoda.model.loader import warn_nonfinite
+    from pagoda.model.errors import warn_nonfinite
     from pagoda.quantization.loading import (
         QUANTIZE_LM_HEAD,
         _set_param_dtype,

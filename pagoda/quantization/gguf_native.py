@@ -44,7 +44,7 @@ def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
 
 
 def load_gguf_native(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
-    from pagoda.model.loader import warn_nonfinite
+    from pagoda.model.errors import warn_nonfinite
     from pagoda.quantization.loading import load_with_packed
 
     g: GGUFFile = files._gguf
