@@ -22,8 +22,6 @@ from pagoda.bench.roofline import (
 )
 from pagoda.model.args import ModelArgs
 
-needs_corpus = pytest.mark.skipif(not CORPUS_PATH.is_file(), reason=f"{CORPUS_PATH} not present")
-
 
 class WordTokenizer:
     """A stand-in tokenizer: one id per distinct word, so dataset tests need no model."""
@@ -41,7 +39,6 @@ def smollm2_135m() -> ModelArgs:
 
 
 # ---- dataset -------------------------------------------------------------------------------------
-@needs_corpus
 def test_dataset_is_deterministic_for_a_seed_and_differs_across_seeds() -> None:
     a = synthetic_chat_requests(WordTokenizer(), 32, (16, 512), (16, 256), seed=7)
     b = synthetic_chat_requests(WordTokenizer(), 32, (16, 512), (16, 256), seed=7)
@@ -50,7 +47,6 @@ def test_dataset_is_deterministic_for_a_seed_and_differs_across_seeds() -> None:
     assert a != c
 
 
-@needs_corpus
 def test_dataset_lengths_stay_in_range_and_prompts_start_at_different_offsets() -> None:
     reqs = synthetic_chat_requests(WordTokenizer(), 200, (16, 512), (16, 256), seed=0)
     assert len(reqs) == 200 and all(isinstance(r, BenchRequest) for r in reqs)
@@ -62,7 +58,6 @@ def test_dataset_lengths_stay_in_range_and_prompts_start_at_different_offsets() 
     assert 40 < median < 200, median
 
 
-@needs_corpus
 def test_dataset_serves_prompts_longer_than_the_corpus() -> None:
     words = len(WordTokenizer().encode(CORPUS_PATH.read_text()))
     reqs = synthetic_chat_requests(WordTokenizer(), 3, (words + 10, words + 10), (1, 1), seed=0)
@@ -125,7 +120,6 @@ def test_roofline_measurements_are_positive_on_small_sizes() -> None:
 
 
 # ---- end to end ----------------------------------------------------------------------------------
-@needs_corpus
 def test_bench_throughput_cli_on_a_tiny_model_with_hf_compare_and_batch1(tmp_path: Path,
                                                                           tiny_llama_byte_tokenizer: Path) -> None:
     from pagoda.entrypoints.cli import main
@@ -147,7 +141,6 @@ def test_bench_throughput_cli_on_a_tiny_model_with_hf_compare_and_batch1(tmp_pat
 
 
 @pytest.mark.slow
-@needs_corpus
 def test_bench_throughput_cli_writes_positive_figures(tmp_path: Path) -> None:
     from pagoda.entrypoints.cli import main
     from pagoda.model.default_model import default_model_path

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagoda.bench import hf_copy, vllm_peer
-from pagoda.bench.datasets import CORPUS_PATH, BenchRequest
+from pagoda.bench.datasets import BenchRequest
 
 REAL_VLLM_PYTHON = vllm_peer.DEFAULT_VLLM_PYTHON
 
@@ -176,7 +176,6 @@ def test_runner_reports_a_peer_that_produced_the_wrong_lengths(fake_vllm: Path, 
         vllm_peer.run_vllm_peer(_requests(), model_dir, "bfloat16", python=sys.executable, timeout_s=120)
 
 
-@pytest.mark.skipif(not CORPUS_PATH.is_file(), reason=f"benchmark corpus {CORPUS_PATH} missing")
 def test_bench_throughput_compare_vllm_with_a_stand_in(fake_vllm: Path, tmp_path: Path,
                                                        tiny_llama_byte_tokenizer: Path) -> None:
     from pagoda.entrypoints.cli import main

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagoda.bench import llama_cpp_peer
+from pagoda.bench.datasets import CORPUS_PATH
 from pagoda.bench.quant_table import parse_row, weight_bytes
 
 
@@ -66,7 +67,7 @@ def test_llama_cpp_peer_perplexity_agrees_with_ours(default_gguf):
     from pagoda.eval.perplexity import perplexity, sliding_windows
 
     llm = LLM(dtype="float32", kv_cache_memory="128MiB")
-    ids = llm.get_tokenizer().encode(open("/usr/share/common-licenses/GPL-3").read()[:3000])
+    ids = llm.get_tokenizer().encode(CORPUS_PATH.read_text()[:3000])
     ours = perplexity(llm, ids, 128, 64).perplexity
     windows = sliding_windows(len(ids), 128, 64)
     peer = run_llama_cpp(default_gguf, perplexity=([ids[w.begin:w.end] for w in windows],

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagoda.bench.datasets import CORPUS_DIR
 from pagoda.quantization.awq import (
     apply_scale,
     awq_layer_quantizer,
@@ -29,7 +30,7 @@ from pagoda.quantization.checkpoint import load_dequantized_state
 from pagoda.quantization.gptq import HessianAccumulator, gptq_layer_quantizer, gptq_quantize
 from pagoda.quantization.int4_format import effective_group_size, quantize_int4_rtn
 
-CALIB_TEXT = "/usr/share/common-licenses/GPL-2"
+CALIB_TEXT = str(CORPUS_DIR / "GPL-2")
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -199,7 +200,7 @@ def test_quantize_command_writes_the_checkpoint_format(tiny_llama_byte_tokenizer
     # The dequantized checkpoint stands in for the float model: logits close to the float ones on text.
     deq, _ = load_hf_float_model(str(tiny_llama_byte_tokenizer))
     deq.load_state_dict(load_dequantized_state(str(out)))
-    ids = torch.tensor(list(Path("/usr/share/common-licenses/Apache-2.0").read_bytes()[:256])).reshape(2, 128)
+    ids = torch.tensor(list((CORPUS_DIR / "Apache-2.0").read_bytes()[:256])).reshape(2, 128)
     with torch.no_grad():
         ref, got = float_model(ids).logits, deq(ids).logits
     rel = ((got - ref).norm() / ref.norm()).item()
@@ -223,7 +224,7 @@ def test_llm_loads_the_checkpoint_like_its_dequantized_float_copy(tiny_llama_byt
     assert main(["quantize", str(tiny_llama_byte_tokenizer), "--method", "awq", "--calib", CALIB_TEXT,
                  "--out", str(out), "--num-samples", "4", "--seq-len", "64"]) == 0
     export_dequantized(str(out), str(tmp_path / "deq"))
-    ids = list(Path("/usr/share/common-licenses/GPL-3").read_bytes()[:400])
+    ids = list((CORPUS_DIR / "GPL-3").read_bytes()[:400])
     ppl = {}
     for name in ("ck", "deq"):
         llm = LLM(str(tmp_path / name), dtype="float32", kv_cache_memory="64MiB")

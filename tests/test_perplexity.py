@@ -8,9 +8,10 @@ import os
 import pytest
 import torch
 
+from pagoda.bench.datasets import CORPUS_PATH
 from pagoda.eval.perplexity import perplexity, sliding_windows
 
-GPL3 = "/usr/share/common-licenses/GPL-3"
+GPL3 = str(CORPUS_PATH)
 
 
 def test_windows_score_every_token_but_the_first_exactly_once():

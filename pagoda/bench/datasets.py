@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-CORPUS_PATH = Path("/usr/share/common-licenses/GPL-3")
+CORPUS_DIR = Path(__file__).parent / "corpus"  # license texts as plain English (corpus/README.md)
+CORPUS_PATH = CORPUS_DIR / "GPL-3"
 
 DEFAULT_NUM_PROMPTS = 256
 DEFAULT_INPUT_LEN_RANGE = (16, 512)
@@ -73,9 +74,7 @@ def load_corpus(path: str | Path = CORPUS_PATH) -> str:
     """The corpus text, or a FileNotFoundError that says how to get it."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(
-            f"benchmark corpus {p} not found: it ships with Debian/Ubuntu's base-files package "
-            "(/usr/share/common-licenses/GPL-3); copy any GPL-3 text there or pass another corpus path")
+        raise FileNotFoundError(f"benchmark corpus {p} not found: pass a text file that exists")
     return p.read_text(encoding="utf-8")
 
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.datasets import BenchRequest, load_corpus, synthetic_chat_requests
+from pagoda.bench.datasets import CORPUS_PATH, BenchRequest, load_corpus, synthetic_chat_requests
 
 DEFAULT_ROWS = ["float32", "bfloat16", "int8", "int4", "fp8", "gguf"]
-DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+DEFAULT_TEXT = str(CORPUS_PATH)
 
 
 @dataclasses.dataclass

@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder, INT4 checkpoint folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--text", required=True, help="a text file, e.g. /usr/share/common-licenses/GPL-3")
+    p.add_argument("--text", required=True, help="a text file, e.g. pagoda/bench/corpus/GPL-3")
     p.add_argument("--max-length", type=int, default=512, help="tokens per window")
     p.add_argument("--stride", type=int, default=256, help="tokens between window starts")
     p.add_argument("--max-text-tokens", type=int, default=None, help="only the first N tokens of the text")
