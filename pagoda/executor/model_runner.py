@@ -1,6 +1,7 @@
 """ModelRunner: a scheduled batch -> flat varlen tensors -> one forward pass -> logits of sampling rows."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from pagoda.layers.attention import AttentionMetadata
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles
 from pagoda.model.registry import model_class
-from pagoda.quantization.loading import load_quantized_model
+from pagoda.model.weights import is_linear_weight, load_weights
+from pagoda.quantization.loading import load_plan
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,9 @@ class ModelRunner:
                 fresh = type(m)(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
                 m.cos, m.sin = fresh.cos.to(self.device), fresh.sin.to(self.device)
         # Weights as stored, or quantized by config.quantization (ties lm_head to the embedding).
-        load_quantized_model(model, files, dtype, config.quantization, config.quantization_group_size)
+        plan = load_plan(files, dtype, config.quantization, config.quantization_group_size,
+                         functools.partial(is_linear_weight, model))
+        load_weights(model, plan, dtype)
         model.prepare(policy)
         self.model = model.eval()
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)

@@ -346,7 +346,7 @@ _LAYER_MAP = {
 _TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that carry no HF parameter (llama3 rope frequencies are folded into the rope config).
-_IGNORED = {"rope_freqs.weight"}
+IGNORED_TENSORS = {"rope_freqs.weight"}
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -365,7 +365,7 @@ def hf_tensor_names(g: GGUFFile) -> dict[str, str]:
     """GGUF tensor name -> HF parameter name for every tensor that loads; ModelFileError for one with none."""
     names = {}
     for name in g.tensors:
-        if name in _IGNORED:
+        if name in IGNORED_TENSORS:
             continue
         hf = gguf_to_hf_name(name)
         if hf is None:
@@ -394,7 +394,7 @@ def iter_gguf_weights(g: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     jobs = list(hf_tensor_names(g).items())
-    for name in sorted(g.tensors.keys() & _IGNORED):
+    for name in sorted(g.tensors.keys() & IGNORED_TENSORS):
         logger.info("ignoring GGUF tensor %s", name)
 
     def load(job: tuple[str, str]) -> tuple[str, torch.Tensor]:

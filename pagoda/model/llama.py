@@ -76,6 +76,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Fused Linear -> the HF projections it holds, in order along its output rows (vLLM's packed_modules_mapping).
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.args = a
@@ -140,16 +143,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], provided: Iterable[str] = ()) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up into their packed parameters.
-        `provided`: HF names loaded another way (quantized weights, pagoda.quantization.loading)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named float tensors into their parameters, q/k/v and gate/up into their slice of the fused
+        one (`packed_modules`); returns the names loaded (model/weights.py drives this and checks them)."""
         params = dict(self.named_parameters())
         a = self.args
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        fused = {"q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
-                 "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-                 "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
-                 "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size)}
+        sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size,
+                 "gate_proj": a.intermediate_size, "up_proj": a.intermediate_size}
+        fused: dict[str, tuple[str, int, int]] = {}  # HF part -> (fused Linear, row offset, rows)
+        for target, parts in self.packed_modules.items():
+            offset = 0
+            for part in parts:
+                fused[part] = (target, offset, sizes[part])
+                offset += sizes[part]
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -170,7 +177,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(name)
-        missing = weight_shapes(a).keys() - loaded - {n.removeprefix("model.") for n in provided}
+        return loaded
+
+    def check_weights(self, loaded: set[str]) -> None:
+        """Raise unless every weight a checkpoint of this config holds was loaded (HF names, any prefix)."""
+        missing = weight_shapes(self.args).keys() - {n.removeprefix("model.") for n in loaded}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
 

@@ -3,17 +3,18 @@ config.json's quantization_config) into the INT4 linear op.
 
 Every quantized linear is stored under its HF unfused prefix as `.qweight` / `.scales` / `.zeros`;
 q/k/v and gate/up are concatenated along output rows at load (the format is per row, so fusing is
-exact). The float lm_head is quantized (INT8 per channel, see loading.lm_head_method), as the in-memory
+exact). The float lm_head is quantized (INT8 per channel, see methods.lm_head_method), as the in-memory
 `quantization="int4"` path does, so both run the same weights.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagoda.kernels.quant_linear import PackedWeight
+from pagoda.model.errors import warn_nonfinite
 from pagoda.model.loader import ModelFiles
 from pagoda.quantization.int4_format import Int4Weight, check_group_size
 from pagoda.quantization.methods import int4_to_packed
@@ -31,22 +32,12 @@ def check_checkpoint_config(qc: Any, method: str | None, source: str) -> None:
         raise ValueError(f"quantization {method!r} cannot apply to {source!r}: it is a saved int4 checkpoint")
 
 
-def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
+def checkpoint_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """The checkpoint as a weight stream: each quantized linear's parts as one PackedWeight under its HF
+    name, the other tensors as fp32."""
     from safetensors import safe_open
 
-    from pagoda.model.errors import warn_nonfinite
-    from pagoda.quantization.loading import (
-        QUANTIZE_LM_HEAD,
-        _set_param_dtype,
-        lm_head_method,
-        load_with_packed,
-        tie_lm_head,
-    )
-    from pagoda.quantization.methods import quantize_weight
-
-    group = int(files.hf_config["quantization_config"].get("group_size", 128))
     parts: dict[str, dict[str, torch.Tensor]] = {}
-    floats: list[tuple[str, torch.Tensor]] = []
     for path in files.weight_files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -56,8 +47,7 @@ def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype
                 if kind in _PARTS:
                     parts.setdefault(prefix, {})[kind] = t
                 elif not name.endswith("rotary_emb.inv_freq"):
-                    floats.append((name, t.float()))
-    packed: dict[str, PackedWeight] = {}
+                    yield name, t.float()
     for prefix, t in parts.items():
         missing = [p for p in _PARTS if p not in t]
         if missing:
@@ -68,13 +58,8 @@ def load_int4_checkpoint(model: nn.Module, files: ModelFiles, dtype: torch.dtype
             raise ValueError(f"{files.source!r}: {prefix} has malformed int4 tensors "
                              f"(qweight {tuple(q.shape)} {q.dtype}, scales {tuple(s.shape)}, zeros {tuple(z.shape)})")
         check_group_size(k, k // s.shape[1])
-        packed[prefix] = int4_to_packed(Int4Weight(q.contiguous(), s.float(), z.float(), k // s.shape[1]))
-    tied = model.args.tie_word_embeddings
-    if tied:
-        floats = [(n, w) for n, w in floats if n != "lm_head.weight"]
-    _set_param_dtype(model, torch.float32)
-    load_with_packed(model, packed, floats, dtype)
-    tie_lm_head(model)
-    if QUANTIZE_LM_HEAD and model.lm_head.qweight is None:
-        model.lm_head.set_quantized(quantize_weight(lm_head_method("int4"), model.lm_head.weight.detach(), group))
-    _set_param_dtype(model, dtype)
+        yield prefix + ".weight", int4_to_packed(Int4Weight(q.contiguous(), s.float(), z.float(), k // s.shape[1]))
+
+
+def checkpoint_group_size(files: ModelFiles) -> int:
+    return int(files.hf_config["quantization_config"].get("group_size", 128))

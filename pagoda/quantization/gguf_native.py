@@ -11,13 +11,14 @@ Other tensor types (F32 norms, K-quants) are dequantized to float as before.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
-from torch import nn
 
 from pagoda.kernels.quant_linear import PackedWeight
-from pagoda.layers.quant_embedding import QuantEmbedding
-from pagoda.model.gguf_loader import _IGNORED, GGUFFile, gguf_to_hf_name, unpermute_qk
+from pagoda.model.errors import warn_nonfinite
+from pagoda.model.gguf_loader import IGNORED_TENSORS, GGUFFile, gguf_to_hf_name, unpermute_qk
 from pagoda.model.loader import ModelFiles
 from pagoda.quantization.int4_format import pack_int4
 
@@ -43,19 +44,16 @@ def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
     return PackedWeight("int4", pack_int4(codes).contiguous(), d.contiguous(), offsets.contiguous(), 32, k)
 
 
-def load_gguf_native(model: nn.Module, files: ModelFiles, dtype: torch.dtype) -> None:
-    from pagoda.model.errors import warn_nonfinite
-    from pagoda.quantization.loading import load_with_packed
-
+def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """The GGUF as a weight stream: Q4_0/Q4_1/Q8_0 matrices (the embedding table included) as PackedWeights
+    in their blocks, everything else dequantized to `dtype`."""
     g: GGUFFile = files._gguf
     cfg = files.hf_config
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     permute = g.architecture == "llama"
-    packed: dict[str, PackedWeight] = {}
-    floats: list[tuple[str, torch.Tensor]] = []
     for name, info in g.tensors.items():
-        if name in _IGNORED:
+        if name in IGNORED_TENSORS:
             continue
         hf = gguf_to_hf_name(name)
         if hf is None:
@@ -65,24 +63,11 @@ def load_gguf_native(model: nn.Module, files: ModelFiles, dtype: torch.dtype) ->
             pw = packed_from_blocks(g.raw_tensor(name), info.qtype, info.dims[0])
             if permute and n_head:
                 pw = pw.rows(torch.from_numpy(unpermute_qk(np.arange(pw.out_features), n_head)))
-            packed[hf.removesuffix(".weight")] = pw
+            yield hf, pw
             continue
         arr = g.dequantized(name)
         if permute and n_head:
             arr = unpermute_qk(arr, n_head)
         t = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
         warn_nonfinite(t, hf, g.path)
-        floats.append((hf, t))
-    embed = packed.pop("model.embed_tokens", None)
-    if embed is not None:
-        model.embed_tokens = QuantEmbedding(embed, dtype)
-        floats_provided = ["model.embed_tokens.weight"]
-    else:
-        floats_provided = []
-    if model.args.tie_word_embeddings and embed is not None:
-        model.lm_head.set_quantized(embed)  # the same packed table: no second copy
-    load_with_packed(model, packed, floats, dtype, extra_provided=floats_provided)
-    if model.args.tie_word_embeddings and embed is None:
-        from pagoda.quantization.loading import tie_lm_head
-
-        tie_lm_head(model)
+        yield hf, t
