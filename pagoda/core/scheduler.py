@@ -125,6 +125,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def settle_speculation(self, seq: Sequence) -> None:
+        """After a verification appended its tokens: KV is valid for everything but the newest token (the
+        last token fed and the accepted proposals), so the computed count is rolled back to that, full
+        blocks of accepted tokens join the prefix cache, and blocks holding only rejected slots are freed."""
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+        self.kv.trim(seq.seq_id, seq.num_computed_tokens)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""
         if seq in self.running:

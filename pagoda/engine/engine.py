@@ -25,7 +25,7 @@ from pagoda.model.tokenizer import iter_strings, load_tokenizer
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
-from pagoda.spec_decode.speculator import Speculator
+from pagoda.spec_decode.speculator import Speculator, Verified
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
 
@@ -79,7 +79,8 @@ class LLMEngine:
         self.stats = StepStats()
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
-            self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self)
+            self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self.runner,
+                                         self.kv, self.tokenizer)
         logger.info("KV pool: %d blocks of %d tokens (%.0f MiB; %d wanted for %d seqs x %d tokens), dtype %s, "
                     "kv_cache_dtype %s", num_blocks, config.cache.block_size,
                     num_blocks * self.runner.kv_bytes_per_block() / 2**20, blocks_wanted, sched_cfg.max_num_seqs,
@@ -330,13 +331,14 @@ class LLMEngine:
         spec_rows = {r: v for r, v in out.spec_logits.items() if not sched.seqs[r].finished}
         if spec_rows and self.speculator is not None:
             spec_seqs = [sched.seqs[r] for r in spec_rows]
-            before = sum(s.num_tokens for s in spec_seqs)
-            # Speculative tokens advance the grammar one by one; jump-forward waits until their KV is settled.
-            dead = self.speculator.verify(spec_seqs, list(spec_rows.values()), self.structured,
-                                          functools.partial(self._advance_grammar, jump=False))
-            num_generated += sum(s.num_tokens for s in spec_seqs) - before
+            verified = self.speculator.verify(spec_seqs, list(spec_rows.values()), self.structured)
+            num_emitted = self._append_verified(verified)
+            num_generated += num_emitted
             for seq in spec_seqs:
-                if seq in dead:
+                self.scheduler.settle_speculation(seq)
+            self.speculator.settle(verified, num_emitted)
+            for seq in spec_seqs:
+                if seq in verified.dead:
                     self._fail_request(seq.request, _DEAD_GRAMMAR.format(seq.num_output_tokens), 400)
                 else:
                     self._jump_if_forced(seq)
@@ -354,6 +356,23 @@ class LLMEngine:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return results
+
+    def _append_verified(self, verified: Verified) -> int:
+        """Append each verified sequence's emitted tokens, position by position across sequences so that a
+        stop truncates what follows it; speculative tokens advance the grammar one by one (jump-forward waits
+        until their KV is settled). Returns how many were appended."""
+        num = 0
+        for j in range(max(len(e) for e in verified.emitted)):
+            got = verified.tokens_at(j, lambda seq: seq.finish_reason is None)
+            if got is None:
+                break
+            group, out = got
+            self.outputs.append_tokens(group, out)
+            for seq in group:
+                if seq.matcher is not None:
+                    self._advance_grammar(seq, jump=False)
+            num += len(group)
+        return num
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 touched: dict[str, Request]) -> list[tuple[list[Sequence], SamplerOutput]]:

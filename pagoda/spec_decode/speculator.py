@@ -1,11 +1,13 @@
-"""Speculator: the engine's speculative-decoding step hooks.
+"""Speculator: the proposer and verifier beside the model runner (it takes the runner, the KV manager and
+the tokenizer, not the engine).
 
 propose()  before scheduling: choose k per decoding sequence and fill seq.spec_token_ids (the scheduler
            counts them in its token budget and allocates their KV slots; the model runner returns logits
            at the last token and every proposal).
-verify()   after the forward: rejection-sample, append the emitted tokens one by one through the stop rules,
-           then roll back: num_computed_tokens covers the accepted tokens only, full blocks of accepted
-           tokens join the prefix cache, and blocks holding nothing but rejected slots go back to the pool.
+verify()   after the forward: rejection-sample each sequence's positions into its emitted tokens (a ragged
+           list: the accepted proposals and the target's own). The engine appends them through the stop
+           rules and the scheduler rolls KV back to the accepted tokens (Scheduler.settle_speculation);
+           then settle() records the acceptance and rolls the draft back.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +22,8 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.request import Sequence
 from pagoda.executor.model_runner import ModelRunner
-from pagoda.layers.sampler import SamplingBatch, sampler_output
+from pagoda.layers.sampler import SamplerOutput, SamplingBatch, sampler_output
+from pagoda.model.tokenizer import Tokenizer
 from pagoda.spec_decode import rejection
 from pagoda.spec_decode.adaptive import AdaptivePolicy, StepCostModel
 from pagoda.spec_decode.config import SpeculativeConfig
@@ -29,9 +31,6 @@ from pagoda.spec_decode.draft import ModelDraftProposer
 from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
-
-if TYPE_CHECKING:
-    from pagoda.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -74,26 +73,44 @@ def _calibrate(runner: ModelRunner, num_blocks: int, num_layers: int | None,
     return best[0], best[1]
 
 
+@dataclass
+class Verified:
+    """What verification decided, for the engine to apply: per sequence, the tokens it emits."""
+    seqs: list[Sequence]
+    emitted: list[list[int]]       # the accepted proposals, then the target's own token
+    first_row: list[int]           # each sequence's first position among the verified rows
+    num_proposed: list[int]        # proposals verified (after the grammar cut them)
+    logprobs: torch.Tensor | None  # log-softmax of every verified row, where a request asks for logprobs
+    max_logprobs: int
+    dead: list[Sequence]           # grammar allows no token at all: they emit nothing (the engine fails them)
+
+    def tokens_at(self, j: int, live: Callable[[Sequence], bool]) -> tuple[list[Sequence], SamplerOutput] | None:
+        """Token j of every sequence that emits one and is `live`, as one sampler output (None: none left)."""
+        group = [(seq, e[j], first + j) for seq, e, first in zip(self.seqs, self.emitted, self.first_row)
+                 if j < len(e) and seq not in self.dead and live(seq)]
+        if not group:
+            return None
+        lp = None if self.logprobs is None else self.logprobs[torch.tensor([g[2] for g in group])]
+        return [g[0] for g in group], sampler_output(torch.tensor([g[1] for g in group]), lp, self.max_logprobs)
+
+
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, engine: LLMEngine) -> None:
+    def __init__(self, cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
-        self.engine = engine
         self.stats = SpecDecodeStats()
         self.ngram: NgramProposer | None = None
         self.drafter: ModelDraftProposer | None = None
         self._draft_probs: dict[int, torch.Tensor] = {}
-        target: ModelRunner = engine.runner
-        kv: KVCacheManager = engine.kv
         n_blocks = kv.pool.num_blocks
         if cfg.method == "ngram":
             self.ngram = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         elif cfg.method == "self":
-            if cfg.num_draft_layers is None or cfg.num_draft_layers >= engine.args.num_layers:
+            if cfg.num_draft_layers is None or cfg.num_draft_layers >= target.args.num_layers:
                 raise ValueError(f"speculative_config.num_draft_layers must be below the model's "
-                                 f"{engine.args.num_layers} layers")
+                                 f"{target.args.num_layers} layers")
             self.drafter = ModelDraftProposer(target, kv, None, cfg.num_draft_layers)
         else:
-            self.drafter = self._load_draft_model(cfg, engine)
+            self.drafter = _load_draft_model(cfg, target, kv, tokenizer)
         cost = StepCostModel(0.0, 0.0)
         if cfg.adaptive:
             t1, t_many = _calibrate(target, n_blocks, None, ((1, 1), (1, 32)))
@@ -107,30 +124,6 @@ class Speculator:
             logger.info("speculation cost model: forward %.2f ms + %.3f ms/token, draft pass %.2f ms + %.3f ms/row",
                         1e3 * cost.c0, 1e3 * cost.c1, 1e3 * cost.d0, 1e3 * cost.d1)
         self.policy = AdaptivePolicy(cost)
-
-    @staticmethod
-    def _load_draft_model(cfg: SpeculativeConfig, engine: LLMEngine) -> ModelDraftProposer:
-        from pagoda.model.args import ModelArgs
-        from pagoda.model.loader import resolve_model_files
-        from pagoda.model.tokenizer import load_tokenizer
-
-        files = resolve_model_files(cfg.model)
-        args = ModelArgs.from_hf_config(files.hf_config)
-        if args.vocab_size != engine.args.vocab_size:
-            raise ValueError(f"speculative_config.model: the draft's vocabulary ({args.vocab_size}) differs from "
-                             f"the target's ({engine.args.vocab_size})")
-        try:
-            draft_tok = load_tokenizer(files)
-        except Exception:  # noqa: BLE001 - a draft without tokenizer files borrows the target's
-            draft_tok = None
-        probe = "Speculative decoding: the quick brown fox, 12345!"
-        if draft_tok is not None and draft_tok.encode(probe) != engine.tokenizer.encode(probe):
-            raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
-        runner = ModelRunner(engine.config, files, args, engine.dtype, engine.kernels)
-        num_blocks = engine.kv.pool.num_blocks  # as many blocks as the target: every running sequence fits
-        runner.allocate_kv_cache(num_blocks)
-        draft_kv = KVCacheManager(num_blocks, engine.config.cache.block_size, enable_prefix_caching=False)
-        return ModelDraftProposer(runner, engine.kv, draft_kv, None)
 
     # ---- before scheduling -----------------------------------------------------------------------
     def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
@@ -179,13 +172,11 @@ class Speculator:
             self.policy.cost.observe(num_tokens, forward_s, step_s)
 
     # ---- after the forward -----------------------------------------------------------------------
-    def verify(self, seqs: list[Sequence], logits: list[torch.Tensor], structured: StructuredOutputManager,
-               advance_grammar: Callable[[Sequence], None]) -> list[Sequence]:
-        """Accept/reject each sequence's scheduled proposals and append what it emits (stops applied).
-        Constrained rows are verified against the target masked by their grammar at every position, and
-        `advance_grammar` moves a sequence's matcher past each token it emits. Returns the sequences whose
-        grammar allows no token at all now (they emit nothing; the caller fails them)."""
-        engine = self.engine
+    def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
+               structured: StructuredOutputManager) -> Verified:
+        """Accept/reject each sequence's scheduled proposals into the tokens it emits. Constrained rows are
+        verified against the target masked by their grammar at every position, so what they emit is what
+        decoding without speculation could."""
         params, gens, outs, prompts, banned = [], [], [], [], []
         rows: list[rejection.SpecRow] = []
         for seq, lg in zip(seqs, logits):
@@ -209,35 +200,48 @@ class Speculator:
         dead = _mask_to_grammar(flat, seqs, rows, structured)
         raw_logprobs = flat.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
         emitted = rejection.verify(flat, batch, rows)
+        return Verified(seqs, emitted, [r.params_batch_index for r in rows], [len(r.draft) for r in rows],
+                        raw_logprobs, batch.max_logprobs, dead)
 
-        # Append token j of every sequence still going, in order, so stops truncate what follows.
-        for j in range(max(len(e) for e in emitted)):
-            group = [(seq, e[j], row.params_batch_index + j) for seq, e, row in zip(seqs, emitted, rows)
-                     if j < len(e) and seq.finish_reason is None and seq not in dead]
-            if not group:
-                break
-            lp = None if raw_logprobs is None else raw_logprobs[torch.tensor([g[2] for g in group])]
-            out = sampler_output(torch.tensor([g[1] for g in group]), lp, batch.max_logprobs)
-            engine.outputs.append_tokens([g[0] for g in group], out)
-            for seq, _, _ in group:
-                if seq.matcher is not None:
-                    advance_grammar(seq)
-            self.stats.num_emitted_tokens += len(group)
+    def settle(self, verified: Verified, num_emitted: int) -> None:
+        """After the emitted tokens are appended (`num_emitted` of them, after stops) and KV is rolled back:
+        count the acceptance, let the adaptive policy learn from it, and roll the draft back."""
         st = self.stats
-        for seq, e in zip(seqs, emitted):
-            k, accepted = len(seq.spec_token_ids), len(e) - 1
+        st.num_emitted_tokens += num_emitted
+        for seq, e, k in zip(verified.seqs, verified.emitted, verified.num_proposed):
+            accepted = len(e) - 1
             st.num_drafts += 1
             st.num_draft_tokens += k
             st.num_accepted_tokens += accepted
             self.policy.update(seq.seq_id, k, accepted)
             seq.spec_token_ids = []
-            # KV is valid for the last token and the accepted proposals: everything but the newest token.
-            seq.num_computed_tokens = seq.num_tokens - 1
-            engine.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
-            engine.kv.trim(seq.seq_id, seq.num_computed_tokens)
             if self.drafter is not None:
                 self.drafter.rollback(seq)
-        return dead
+
+
+def _load_draft_model(cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager,
+                      tokenizer: Tokenizer) -> ModelDraftProposer:
+    from pagoda.model.args import ModelArgs
+    from pagoda.model.loader import resolve_model_files
+    from pagoda.model.tokenizer import load_tokenizer
+
+    files = resolve_model_files(cfg.model)
+    args = ModelArgs.from_hf_config(files.hf_config)
+    if args.vocab_size != target.args.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary ({args.vocab_size}) differs from "
+                         f"the target's ({target.args.vocab_size})")
+    try:
+        draft_tok = load_tokenizer(files)
+    except Exception:  # noqa: BLE001 - a draft without tokenizer files borrows the target's
+        draft_tok = None
+    probe = "Speculative decoding: the quick brown fox, 12345!"
+    if draft_tok is not None and draft_tok.encode(probe) != tokenizer.encode(probe):
+        raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
+    runner = ModelRunner(target.config, files, args, target.dtype, target.policy)
+    num_blocks = kv.pool.num_blocks  # as many blocks as the target: every running sequence fits
+    runner.allocate_kv_cache(num_blocks)
+    draft_kv = KVCacheManager(num_blocks, target.config.cache.block_size, enable_prefix_caching=False)
+    return ModelDraftProposer(runner, kv, draft_kv, None)
 
 
 def _grammar_prefix(seq: Sequence, proposal: list[int]) -> list[int]:
