@@ -74,3 +74,31 @@ def test_cli_generate_prints_the_completion():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is") and "Paris" in r.stdout
+
+
+def test_engine_stats_count_what_waits_runs_and_is_cached(tiny_llama, default_gguf):
+    llm = LLM(tiny_llama, tokenizer=default_gguf, dtype="float32", kv_cache_memory="16MiB", block_size=4)
+    eng = llm.engine
+    idle = eng.engine_stats()
+    assert (idle.num_running, idle.num_waiting, idle.kv_cache_usage) == (0, 0, 0.0)
+    assert idle.num_free_blocks == eng.kv.pool.num_blocks
+    prompt = list(range(1, 19))
+    eng.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert eng.engine_stats().num_waiting == 1
+    eng.step()
+    busy = eng.engine_stats()
+    assert (busy.num_running, busy.num_waiting) == (1, 0) and busy.kv_cache_usage > 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.add_request(prompt, SamplingParams(max_tokens=1))
+    eng.step()
+    again = eng.engine_stats()
+    assert again.prefix_cache_queries == 2 * len(prompt) and again.prefix_cache_hits >= 16  # 4 full blocks
+
+
+def test_sent_choice_records_text_and_tokens_sent():
+    from pagoda.entrypoints.server.serving import SentChoice
+
+    s = SentChoice()
+    assert s.advance("Hel", 2, False) == 0
+    assert s.advance("Hello", 3, True) == 2 and (s.text, s.tokens, s.done) == (5, 3, True)

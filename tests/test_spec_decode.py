@@ -188,7 +188,7 @@ def test_ngram_proposer_batches_per_request_k():
 
 
 def test_spec_counters_reach_the_metrics_endpoint():
-    from pagoda.engine.async_engine import EngineStats
+    from pagoda.engine.stats import EngineStats
     from pagoda.entrypoints.server.metrics import ServerMetrics
 
     m = ServerMetrics("m")

@@ -2,7 +2,8 @@
 
 LLMEngine is not thread-safe, so exactly one background thread owns it: it runs step() in a
 busy loop while there is work and sleeps on a condition variable when idle. Everything else
-(add, abort) reaches the engine as a command on a queue that the worker drains between steps.
+(add, abort, ...) reaches the engine as a command (the dataclasses below) on a queue that the worker drains
+between steps.
 Outputs travel back to the event loop with call_soon_threadsafe, one callback per step, into a
 per-request asyncio.Queue that generate() reads.
 """
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagoda.engine.stats import EngineStats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -30,29 +32,13 @@ logger = logging.getLogger(__name__)
 class EngineMetricsHook(Protocol):
     """What the worker reports; pagoda.entrypoints.server.metrics implements it with prometheus_client."""
 
-    def on_step(self, stats: "EngineStats") -> None: ...
+    def on_step(self, stats: EngineStats) -> None: ...
 
     def on_prompt(self, num_prompt_tokens: int) -> None: ...
 
     def on_generated(self, num_tokens: int) -> None: ...
 
     def on_finished(self, output: RequestOutput) -> None: ...
-
-
-@dataclass
-class EngineStats:
-    """A snapshot the worker publishes after every step (read from other threads without locks)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # running totals, in tokens
-    prefix_cache_hits: int = 0
-    spec_decode_num_drafts: int = 0            # speculative decoding running totals (0 when it is off)
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_emitted_tokens: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -79,6 +65,38 @@ class _Stream:
 _FINISHED = object()  # sentinel queued after a request's final output
 
 
+# ---- the commands callers send the worker (applied between steps, in order) ------------------------------
+@dataclass
+class AddRequest:
+    """Queue a request; the worker resolves `accepted` (or fails it with add_request's error) and then
+    delivers the request's outputs to `stream`."""
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    stream: _Stream
+    accepted: asyncio.Future
+    cache_salt: str | None = None
+
+
+@dataclass
+class Abort:
+    """Stop a request and free its KV blocks; its stream ends."""
+    request_id: str
+
+
+@dataclass
+class ResetPrefixCache:
+    """Forget every cached prefix."""
+
+
+@dataclass
+class Shutdown:
+    """Abort what is still in flight and stop the worker."""
+
+
+Command = AddRequest | Abort | ResetPrefixCache | Shutdown
+
+
 class AsyncEngine:
     def __init__(self, engine: "LLMEngine", metrics: EngineMetricsHook | None = None,
                  idle_poll_s: float = 1.0) -> None:
@@ -87,7 +105,7 @@ class AsyncEngine:
         self.stats = EngineStats()
         self._idle_poll_s = idle_poll_s
         self._cond = threading.Condition()
-        self._commands: list[tuple[Any, ...]] = []
+        self._commands: list[Command] = []
         self._streams: dict[str, _Stream] = {}  # touched by the worker only (after the add command)
         self._num_pending_adds = 0
         self._stopping = False
@@ -138,7 +156,7 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         with self._cond:
             # The worker aborts whatever is left once it sees this; then it exits.
-            self._commands.append(("shutdown",))
+            self._commands.append(Shutdown())
             self._cond.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
@@ -160,7 +178,7 @@ class AsyncEngine:
             if self._dead is not None or self._stopping:
                 raise EngineDeadError("engine is not accepting requests")
             self._num_pending_adds += 1
-            self._commands.append(("add", prompt, params, rid, stream, accepted, cache_salt))
+            self._commands.append(AddRequest(prompt, params, rid, stream, accepted, cache_salt))
             self._cond.notify_all()
         try:
             await accepted  # raises what engine.add_request raised
@@ -172,13 +190,13 @@ class AsyncEngine:
     def reset_prefix_cache(self) -> None:
         """Thread-safe; applied by the worker between steps."""
         with self._cond:
-            self._commands.append(("reset_prefix_cache",))
+            self._commands.append(ResetPrefixCache())
             self._cond.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the worker frees the request's KV blocks before its next step."""
         with self._cond:
-            self._commands.append(("abort", request_id))
+            self._commands.append(Abort(request_id))
             self._cond.notify_all()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
@@ -246,46 +264,42 @@ class AsyncEngine:
             self._fail_all(e)
             with self._cond:
                 for cmd in self._commands:
-                    if cmd[0] == "add":
+                    if isinstance(cmd, AddRequest):
                         self._reject(cmd, EngineDeadError(f"engine is dead: {e}"))
                 self._commands = []
 
-    def _handle_commands(self, commands: list[tuple[Any, ...]]) -> bool:
+    def _handle_commands(self, commands: list[Command]) -> bool:
         """Apply queued commands; True means shut down now."""
         for cmd in commands:
-            kind = cmd[0]
-            if kind == "add":
-                _, prompt, params, rid, stream, accepted, salt = cmd
+            if isinstance(cmd, AddRequest):
                 try:
-                    req = self.engine.add_request(prompt, params, rid, cache_salt=salt)
+                    req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cache_salt=cmd.cache_salt)
                 except Exception as e:  # ValueError for bad input: the caller gets it
                     self._reject(cmd, e)
                     continue
-                self._streams[rid] = stream
+                self._streams[cmd.request_id] = cmd.stream
                 with self._cond:
                     self._num_pending_adds -= 1
                 self._hook("on_prompt", len(req.prompt_token_ids))
-                stream.loop.call_soon_threadsafe(_resolve, accepted, None)
-            elif kind == "abort":
-                rid = cmd[1]
-                stream = self._streams.pop(rid, None)
-                self.engine.abort_request(rid)
+                cmd.stream.loop.call_soon_threadsafe(_resolve, cmd.accepted, None)
+            elif isinstance(cmd, Abort):
+                stream = self._streams.pop(cmd.request_id, None)
+                self.engine.abort_request(cmd.request_id)
                 if stream is not None:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _FINISHED)
-            elif kind == "reset_prefix_cache":
+            elif isinstance(cmd, ResetPrefixCache):
                 self.engine.reset_prefix_cache()
-            elif kind == "shutdown":
+            elif isinstance(cmd, Shutdown):
                 self._abort_all("the server shut down before the request finished")
                 return True
         if commands:
             self._publish_stats()
         return False
 
-    def _reject(self, cmd: tuple[Any, ...], error: BaseException) -> None:
-        stream, accepted = cmd[4], cmd[5]
+    def _reject(self, cmd: AddRequest, error: BaseException) -> None:
         with self._cond:
             self._num_pending_adds -= 1
-        stream.loop.call_soon_threadsafe(_reject, accepted, error)
+        cmd.stream.loop.call_soon_threadsafe(_reject, cmd.accepted, error)
 
     def _abort_all(self, reason: str) -> None:
         for rid in list(self._streams):
@@ -338,24 +352,7 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 
     def _publish_stats(self) -> None:
-        eng = self.engine
-        sched = eng.scheduler
-        pool = eng.kv.pool
-        self.stats = EngineStats(
-            num_running=len({s.request.request_id for s in sched.running}),
-            num_waiting=len(sched.waiting),
-            kv_cache_usage=float(pool.usage()),
-            num_free_blocks=int(pool.num_free),
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=eng.kv.stats.queries,
-            prefix_cache_hits=eng.kv.stats.hits,
-        )
-        if eng.speculator is not None:
-            spec = eng.speculator.stats
-            self.stats.spec_decode_num_drafts = spec.num_drafts
-            self.stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
-            self.stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
-            self.stats.spec_decode_num_emitted_tokens = spec.num_emitted_tokens
+        self.stats = self.engine.engine_stats()
         self._hook("on_step", self.stats)
 
     def _hook(self, name: str, *args: Any) -> None:

@@ -17,6 +17,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request import Request, Sequence
+from pagoda.engine.stats import EngineStats
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagoda.model.args import ModelArgs
@@ -56,8 +57,7 @@ class LLMEngine:
         if sched_cfg.max_model_len and sched_cfg.max_model_len > self.args.max_position_embeddings:
             raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's context "
                              f"{self.args.max_position_embeddings}")
-        self.kernels = config.kernel_policy()
-        self.runner = ModelRunner(config, self.files, self.args, self.dtype, self.kernels)
+        self.runner = ModelRunner(config, self.files, self.args, self.dtype, config.kernel_policy())
         # Enough blocks for every sequence at full context, capped by free RAM (CacheConfig.pool_bytes).
         blocks_wanted = sched_cfg.max_num_seqs * -(-self.max_model_len // config.cache.block_size)
         num_blocks = config.cache.pool_bytes(self.runner.kv_bytes_per_block(), blocks_wanted) \
@@ -259,6 +259,26 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def engine_stats(self) -> EngineStats:
+        """The scheduler's, KV pool's and speculator's figures now (cheap: counters and lengths)."""
+        sched, pool = self.scheduler, self.kv.pool
+        stats = EngineStats(
+            num_running=len({s.request.request_id for s in sched.running}),
+            num_waiting=len(sched.waiting),
+            kv_cache_usage=float(pool.usage()),
+            num_free_blocks=int(pool.num_free),
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+        )
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats.spec_decode_num_drafts = spec.num_drafts
+            stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_decode_num_emitted_tokens = spec.num_emitted_tokens
+        return stats
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

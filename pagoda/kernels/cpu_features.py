@@ -16,16 +16,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+@functools.cache  # asked per op call by the fused ops
 def has_avx512() -> bool:
     """The kernels are built with -march=native: their vector paths need AVX-512 (F and BW)."""
     return {"avx512f", "avx512bw"} <= cpu_flags()
 
 
+@functools.cache
 def has_avx512_bf16() -> bool:
     """The bf16 vector paths (panel GEMMs, K-word attention) use AVX512-BF16's dot products."""
     return "avx512_bf16" in cpu_flags()
 
 
+@functools.cache
 def has_native_bf16() -> bool:
     """bf16 matmuls run natively (AVX512-BF16 or AMX), so bf16 is the fast compute dtype."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

@@ -17,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.engine.stats import EngineStats
 from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
@@ -365,17 +366,18 @@ class FakeTokenizer:
 class FakeEngine:
     """Emits 'a' once per step per request. `hold` keeps requests waiting; `fail_next` makes step() raise."""
     max_model_len = 64
-    speculator = None
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
         self.args = SimpleNamespace(vocab_size=256)
-        self.scheduler = SimpleNamespace(running=[], waiting=deque(), num_preemptions=0)
-        self.kv = SimpleNamespace(pool=SimpleNamespace(usage=lambda: 0.0, num_free=100),
-                                  stats=SimpleNamespace(queries=0, hits=0))
+        self.scheduler = SimpleNamespace(waiting=deque())
         self.requests: dict[str, dict] = {}
         self.hold = False
         self.fail_next = False
+
+    def engine_stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.requests) - len(self.scheduler.waiting),
+                           num_waiting=len(self.scheduler.waiting), num_free_blocks=100)
 
     def add_request(self, prompt: Any, params: Any, request_id: str, cache_salt: str | None = None) -> Any:
         params.validate()

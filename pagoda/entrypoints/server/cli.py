@@ -9,7 +9,7 @@ import signal
 import sys
 from types import FrameType
 
-from pagoda.entrypoints.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagoda.tools.formats import FORMATS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

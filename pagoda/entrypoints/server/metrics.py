@@ -8,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pagoda.engine.async_engine import EngineStats
+from pagoda.engine.stats import EngineStats
 from pagoda.outputs import RequestOutput
 
 # Buckets as vLLM uses them (seconds), trimmed to what a CPU engine sees.

@@ -1,0 +1,50 @@
+"""Errors in OpenAI's shape: every failure a client sees is {"error": {message, type, param, code}}."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from pagoda.entrypoints.server import protocol as P
+from pagoda.sampling_params import SamplingParams
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    info = P.ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "APIError"), param=param, code=status)
+    return P.ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _param_of(message: str, known: set[str]) -> str | None:
+    """SamplingParams and the engine name the offending parameter first ('temperature must be ...')."""
+    first = re.split(r"[\s\[.:,]", message, maxsplit=1)[0]  # 'tools[0].function.name: ...' names tools
+    if first in known:
+        return first
+    for name in ("max_tokens", "prompt", "messages", "logprobs", "max_model_len"):
+        if name in message:
+            return "max_tokens" if name == "max_model_len" else name
+    return None
+
+
+_KNOWN_PARAMS = set(P.CompletionRequest.model_fields) | set(P.ChatCompletionRequest.model_fields) | \
+    set(SamplingParams.__dataclass_fields__)
+
+
+def bad_request(e: Exception) -> APIError:
+    msg = str(e)
+    return APIError(400, msg, _param_of(msg, _KNOWN_PARAMS))

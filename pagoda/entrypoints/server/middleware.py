@@ -1,0 +1,71 @@
+"""Auth and the body limit: pure ASGI middlewares, so they run before body parsing and never wrap streaming
+response bodies."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pagoda.entrypoints.server.errors import error_response
+from pagoda.entrypoints.server.openapi import PUBLIC_PATHS
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        # PUBLIC_PATHS (probes, metrics, the API docs) stay open; every other route needs the key.
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(auth, self.expected):
+                await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)")(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to a body over `max_bytes` before any of it is parsed, declared or streamed.
+
+    The body is read here (the app reads it whole anyway) and replayed; after it, receive() goes to the
+    client again, so disconnects still reach the handlers.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int, read_timeout_s: float = 30.0) -> None:
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_response(413, f"request body is larger than the server's limit of {self.max_bytes} "
+                                        "bytes (--max-request-body-bytes)")
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn itself refuses malformed ones
+            await too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:  # a client that declares more than it sends must not hold its slot forever
+                await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s")(
+                    scope, receive, send)
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client is gone before it finished sending
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        pending: list[dict[str, Any]] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> dict[str, Any]:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)

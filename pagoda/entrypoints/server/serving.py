@@ -1,0 +1,320 @@
+"""What the /v1 handlers share (serving_completions.py, serving_chat.py): checks, off-loop work, queueing and
+collecting requests, the SSE stream, and the per-choice bookkeeping of a streamed response."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagoda.entrypoints.server import protocol as P
+from pagoda.entrypoints.server.errors import APIError, bad_request, error_body
+from pagoda.entrypoints.server.settings import ServerSettings
+from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _finite(x: float) -> float:
+    # JSON has no -Infinity; a probability of 0 becomes a very negative logprob, as vLLM does.
+    return x if math.isfinite(x) else -9999.0
+
+
+def _token_text(pos: PositionLogprobs, token_id: int, tokenizer: Any) -> str:
+    lp = pos.get(token_id)
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], tokenizer: Any,
+                        text_offset: int) -> P.CompletionLogprobs:
+    """Legacy completions logprobs; a None position (the first prompt token when echoing) has no logprob."""
+    out = P.CompletionLogprobs()
+    for tid, pos in zip(token_ids, positions):
+        if pos is None:
+            tok = tokenizer.decode([tid])
+            out.tokens.append(tok)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            tok = _token_text(pos, tid, tokenizer)
+            chosen = pos.get(tid)
+            out.tokens.append(tok)
+            out.token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
+            ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank or 0))
+            out.top_logprobs.append({_token_text(pos, t, tokenizer): _finite(lp.logprob) for t, lp in ranked})
+        out.text_offset.append(text_offset)
+        text_offset += len(tok)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], tokenizer: Any,
+                  top_n: int) -> P.ChatLogprobs:
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        tok = _token_text(pos, tid, tokenizer)
+        chosen = pos.get(tid)
+        top = [P.TopLogprob(token=_token_text(pos, t, tokenizer), logprob=_finite(lp.logprob),
+                            bytes=list(_token_text(pos, t, tokenizer).encode()))
+               for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank or 0)
+               if lp.rank is not None and lp.rank <= top_n][:top_n]
+        content.append(P.ChatLogprob(token=tok, logprob=_finite(chosen.logprob) if chosen else -9999.0,
+                                     bytes=list(tok.encode()), top_logprobs=top))
+    return P.ChatLogprobs(content=content)
+
+
+def visible_text(c: CompletionOutput, params: SamplingParams) -> str:
+    """Text safe to stream now. While running, hold back the last len(stop)-1 characters: a stop string
+    completed by a later token truncates the text there, and what was sent cannot be taken back."""
+    if c.finish_reason is not None or not params.stop_strings:
+        return c.text
+    hold = max(len(s) for s in params.stop_strings) - 1
+    return c.text[: max(0, len(c.text) - hold)]
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come, tagged with the prompt index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in it:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()  # cancelling a pump closes its stream, which aborts the request
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Return when the client goes away. If the channel itself fails, wait forever rather than abort."""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    except Exception:
+        await asyncio.Event().wait()
+
+
+@dataclass
+class SentChoice:
+    """How much of one choice a stream has sent: characters of visible text, tokens with their logprobs,
+    and whether it ended. Completions and chat keep one per choice index."""
+    text: int = 0
+    tokens: int = 0
+    done: bool = False
+
+    def advance(self, text: str, num_tokens: int, finished: bool) -> int:
+        """Record `text` (all that is visible now) and `num_tokens` as sent; return the first new token."""
+        start = self.tokens
+        self.text, self.tokens, self.done = len(text), num_tokens, finished
+        return start
+
+
+class Serving:
+    """The shared plumbing of the /v1 handlers over one AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.core = engine.engine
+        self.tokenizer = self.core.tokenizer
+        self.names = settings.served_model_names
+
+    def retry_later(self, message: str) -> APIError:
+        """A 503 that tells the client when to try again (shutting down, a full queue, a dead engine)."""
+        return APIError(503, message, headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.names[0]
+        if model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.names)}", "model")
+        return model
+
+    def check_capacity(self, num_new: int) -> None:
+        if not self.engine.is_running:
+            raise self.retry_later("the server is shutting down")
+        limit = self.settings.max_waiting_requests
+        if limit is not None and num_new > limit:  # would never fit: retrying cannot help
+            raise APIError(400, f"{num_new} prompts in one request exceed the server's queue "
+                                f"(--max-waiting-requests {limit}); split the batch", "prompt")
+        if limit is not None and self.engine.num_waiting + num_new > limit:
+            raise self.retry_later(f"too many waiting requests (limit {limit}); retry later")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, param: str = "prompt") -> Any:
+        """Tokenizing and templating take up to seconds on large input: a worker thread does them, so
+        streams and /health never wait on one request's text. Their ValueErrors are 400s."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from e
+        except UnicodeError as e:
+            raise APIError(400, f"{param}: not valid Unicode text ({e})", param) from e
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """A grammar compiles on a worker thread (cached by its text): a bad one is this request's 400,
+        and the engine then finds it ready, so the step loop never waits on a compiler."""
+        if params.structured_outputs is not None:
+            await self.off_loop(self.core.compile_structured, params, param="response_format")
+
+    def tokenize_all(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return [self.core.tokenize(p) if isinstance(p, str) else p for p in prompts]
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams,
+                     base_id: str, cache_salt: str | None = None) -> list[tuple[str, asyncio.Queue]]:
+        """Queue every prompt, or none: a bad one aborts those already queued and raises a 400."""
+        queued: list[tuple[str, asyncio.Queue]] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                queued.append(await self.engine.add_request(prompt, params, rid, cache_salt=cache_salt))
+        except BaseException as e:
+            for rid, _ in queued:
+                self.engine.abort(rid)
+            if isinstance(e, ValueError):
+                raise bad_request(e) from e
+            if isinstance(e, EngineDeadError):
+                raise self.retry_later(str(e)) from e
+            raise
+        return queued
+
+    async def collect(self, request: Request, queued: list[tuple[str, asyncio.Queue]]) -> list[RequestOutput]:
+        """Final outputs of every request; a client that goes away, or a cancelled handler, aborts them all."""
+        async def last(rid: str, q: asyncio.Queue) -> RequestOutput | None:
+            final = None
+            async for out in self.engine.stream(rid, q):
+                final = out
+            return final
+
+        # Plain tasks, not gather(): a cancelled gather future holds a CancelledError nobody retrieves.
+        tasks = [asyncio.create_task(last(rid, q)) for rid, q in queued]
+        watch = asyncio.create_task(_until_disconnected(request))
+        try:
+            pending: set[asyncio.Task] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:
+                    raise APIError(499, "client disconnected")
+                pending.discard(watch)
+        finally:
+            for t in (watch, *tasks):
+                t.cancel()
+            for rid, _ in queued:  # no-op for finished requests; frees the KV blocks of the rest at once
+                self.engine.abort(rid)
+        for t in tasks:
+            error = t.exception()
+            if isinstance(error, EngineDeadError):
+                raise self.retry_later(str(error)) from error
+            if isinstance(error, RequestFailedError) and error.status == 400:  # its own constraint
+                raise APIError(400, str(error), "response_format") from error
+            if error is not None:  # the engine failed this request alone: a 500 for it
+                logger.error("request %s failed: %s", queued[0][0] if queued else "?", error)
+                raise APIError(500, f"internal error while generating: {error}") from error
+        results = [t.result() for t in tasks]
+        if any(r is None or not r.finished for r in results):
+            raise self.retry_later("the request was aborted (server shutting down)")
+        return results  # type: ignore[return-value]
+
+    def usage_of(self, outs: list[RequestOutput]) -> P.Usage:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def stream_events(self, request: Request, queued: list[tuple[str, asyncio.Queue]],
+                            make_chunks: Callable[[int, RequestOutput], list[dict[str, Any]]],
+                            preamble: list[dict[str, Any]],
+                            empty_chunk: Callable[[list[dict[str, Any]]], dict[str, Any]] | None,
+                            ) -> AsyncIterator[str]:
+        streams = [self.engine.stream(rid, q) for rid, q in queued]
+        finals: dict[int, RequestOutput] = {}
+        watch = asyncio.create_task(_until_disconnected(request))
+        def on_disconnect(t: asyncio.Task) -> None:
+            if not t.cancelled():
+                for rid, _ in queued:
+                    self.engine.abort(rid)
+
+        watch.add_done_callback(on_disconnect)
+        merged = _merge(streams)
+        try:
+            for chunk in preamble:
+                yield _sse(chunk)
+            async for i, out in merged:
+                if out.finished:
+                    finals[i] = out
+                for chunk in make_chunks(i, out):
+                    yield _sse(chunk)
+            if len(finals) < len(queued):
+                raise EngineDeadError("the request was aborted (server shutting down)")
+            if empty_chunk is not None:  # stream_options.include_usage: a last chunk with no choices
+                body = empty_chunk([])
+                body["usage"] = self.usage_of(list(finals.values())).model_dump()
+                yield _sse(body)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except EngineDeadError as e:
+            yield _sse(error_body(503, str(e)))
+        except RequestFailedError as e:
+            if e.status != 400:
+                logger.error("streaming request %s failed: %s", queued[0][0] if queued else "?", e)
+            yield _sse(error_body(e.status, str(e) if e.status == 400 else f"internal error while generating: {e}"))
+        except Exception as e:
+            logger.exception("streaming request %s failed", queued[0][0] if queued else "?")
+            yield _sse(error_body(500, f"internal error while generating: {e}"))
+        finally:
+            watch.cancel()
+            with contextlib.suppress(Exception):
+                await merged.aclose()
+            for rid, _ in queued:  # no-op for finished requests; frees blocks of the rest at once
+                self.engine.abort(rid)
+        yield _sse("[DONE]")
+
+    def sse_response(self, gen: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(gen, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        def render() -> list[int]:
+            try:
+                return self.core.tokenize_chat(messages, add_generation_prompt, tools)
+            except (ValueError, UnicodeError):
+                raise
+            except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
+                raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+        return await self.off_loop(render, param="messages")

@@ -1,0 +1,18 @@
+"""The server's settings (`pagoda serve` flags beyond the engine's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    drain_timeout: float = 30.0
+    model_root: str | None = None
+    retry_after_s: int = 1
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    tool_call_parser: str | None = None  # None: the format the chat template writes
