@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.bench.quant_kernels import _dense_kernels
+from benchmarks.quant_kernels import _dense_kernels
 from pagoda.kernels.linear import SMALL_M, linear, panel_pack, prepack, small_m_supported
 
 

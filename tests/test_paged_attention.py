@@ -232,8 +232,8 @@ def test_fused_rope_cache_attention_equals_the_three_ops(dtype, kv_dtype, words)
 
 @needs_kernel
 def test_attention_bench_runs(capsys):
-    """`python -m pagoda.bench.attention`: the step it times is the engine's kernel over the engine's layout."""
-    from pagoda.bench.attention import main
+    """`python -m benchmarks.attention`: the step it times is the engine's kernel over the engine's layout."""
+    from benchmarks.attention import main
 
     assert main(["--num-seqs", "4", "--layers", "2", "--rounds", "1", "--ctx-range", "10", "40"]) == 0
     out = capsys.readouterr().out
@@ -245,7 +245,7 @@ def test_attention_bench_runs(capsys):
 def test_attention_bench_builds_another_source(capsys):
     """--compare-source builds a paged_attention.cpp under another namespace (the current one, here: K as rows
     takes its fp32-staging path, so the outputs agree to bf16 rounding)."""
-    from pagoda.bench.attention import main
+    from benchmarks.attention import main
 
     src = Path(pa.__file__).parent / "cpu" / "paged_attention.cpp"
     assert main(["--num-seqs", "4", "--layers", "2", "--rounds", "1", "--compare-source", str(src)]) == 0

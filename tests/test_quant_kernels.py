@@ -262,7 +262,7 @@ def test_panel_layouts_round_trip():
 @_PANELS
 def test_quant_model_sweep_times_panels_against_the_row_major_kernels():
     """`quant_kernels --model-sweep int4|fp8`: both kernels compute the same product, layers and head."""
-    from pagoda.bench.quant_kernels import _quant_kernels
+    from benchmarks.quant_kernels import _quant_kernels
 
     ws = [_case("int4", 128, 32, False, 64)[0], _case("int8", 64, 48, False)[0], _case("fp8", 64, 16, False)[0]]
     kernels = _quant_kernels(ws)

@@ -1,7 +1,7 @@
 """A model's decoder layers as one C++ op call for steps of a few rows (kernels/cpu/decoder_stack.cpp).
 
 A decode step runs ~8 small ops per layer, and each op call from Python costs a few microseconds of
-interpreter and dispatcher time that the work itself does not: ~2 ms of a 30-layer step. The stack
+interpreter and dispatcher time that the work itself does not: milliseconds of a 30-layer step. The stack
 runs the same kernels in one call, so its output is bit-identical to the layer-by-layer path, which
 stays the path for larger steps (prefill), where the kernels differ and call overhead is amortized.
 """

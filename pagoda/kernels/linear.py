@@ -1,13 +1,12 @@
 """Dense linear op, on a copy of the weight laid out once at load.
 
-fp32 and bf16 on AVX-512: Pagoda's panel-packed GEMM (cpu/packed_linear.cpp) at every row count. Over
-all of SmolLM2's linears with cold weights (one call each, as a step runs them), against what ran
-before: bf16 1.0-1.2x the row-major streaming kernel at 1 row, 1.9-2.3x at 8; 1.5x oneDNN's prepacked
-GEMM at 16 rows, 1.1-1.2x at 64 (batched decode); 0.92-0.98x at 128-512 (prefill). fp32: 1.2x at 1 row, 2.9x
-at 8, 1.2-1.4x at 16-64, 0.96x at 512. Elsewhere (shapes it can't take, other CPUs): the streaming kernel for few rows
-(SMALL_M) and oneDNN on a prepacked weight (beats F.linear, which re-lays the weight out on every call,
-from M = 9 up). `python -m pagoda.bench.quant_kernels` times them per shape. The packed copy costs the
-weight's size in memory again.
+fp32 and bf16 on AVX-512: Pagoda's panel-packed GEMM (cpu/packed_linear.cpp) at every row count: over
+SmolLM2's linears with cold weights it beats the row-major streaming kernel and oneDNN's prepacked GEMM
+from 1 to 64 rows and stays within a few percent of oneDNN at prefill sizes. Elsewhere (shapes it can't
+take, other CPUs): the streaming kernel for few rows (SMALL_M) and oneDNN on a prepacked weight (beats
+F.linear, which re-lays the weight out on every call, from M = 9 up). `python -m benchmarks.quant_kernels`
+times them per shape; the figures are in docs/architecture.md and docs/benchmarks.md. The packed copy costs
+the weight's size in memory again.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ and is dequantized row by row inside the kernel (pagoda/kernels/kv_quant.py).
 A bf16 K cache is stored as words where the kernel multiplies it with bf16 dot products
 (`k_cache_shape`): ``[num_blocks, Hkv, D/2, block_size, 2]``, each 32-bit word a pair of d of one key,
 consecutive keys' words adjacent. One 64-byte load then holds a pair of d for 16 keys, which is the
-operand of vdpbf16ps, so scores need no horizontal sums and K no staging (decode attention 1.6x faster
-with the cache in L3, 1.1-1.2x cold: `python -m pagoda.bench.attention`, docs/benchmarks.md). V stays
+operand of vdpbf16ps, so scores need no horizontal sums and K no staging (faster decode attention, hot
+and cold: `python -m benchmarks.attention`, figures in docs/benchmarks.md). V stays
 row-major: P @ V reads V by rows.
 """
 from __future__ import annotations

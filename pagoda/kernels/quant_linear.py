@@ -246,7 +246,7 @@ def cpp_supported(pw: PackedWeight) -> bool:
 
 # Above this many rows the weight is dequantized (C++, to the activation dtype) and multiplied by
 # oneDNN's GEMM: the streaming kernel is compute-bound there. Set from `python -m
-# pagoda.bench.quant_kernels` on this machine (see docs/architecture.md).
+# benchmarks.quant_kernels` on this machine (see docs/architecture.md).
 CPP_MAX_M = 16
 
 

@@ -500,7 +500,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 // The float weight [N, K] in `dtype` (float32 or bfloat16), for many-row inputs: there the
 // streaming kernel is compute-bound, and oneDNN's GEMM on the dequantized weight is 2-3x faster
-// (pagoda.bench.quant_kernels). Same arithmetic as PackedWeight.dequantize, rounded once to dtype.
+// (benchmarks.quant_kernels). Same arithmetic as PackedWeight.dequantize, rounded once to dtype.
 at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                             int64_t fmt, int64_t group_size, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_dequantize: unknown format");

@@ -1,4 +1,4 @@
-"""Time quantized-linear candidates per shape and M: `python -m pagoda.bench.quant_kernels [--m 1,8,32]`.
+"""Time quantized-linear candidates per shape and M: `python -m benchmarks.quant_kernels [--m 1,8,32]`.
 
 Rows: float baselines (F.linear fp32 / bf16; oneDNN prepacked; Pagoda's panel-packed kernel, which the
 dense Linear runs), Pagoda's C++ streaming kernel per format

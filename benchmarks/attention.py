@@ -1,4 +1,4 @@
-"""Time decode attention the way a step meets it: `python -m pagoda.bench.attention [--compare-source FILE]`.
+"""Time decode attention the way a step meets it: `python -m benchmarks.attention [--compare-source FILE]`.
 
 A batch of decode queries (one per sequence, context lengths drawn log-uniformly, SmolLM2's 9/3 heads of
 64) runs over every one of `--layers` layers' own paged caches, so the caches are cold in the CPU's caches
