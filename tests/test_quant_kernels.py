@@ -273,3 +273,13 @@ def test_quant_model_sweep_times_panels_against_the_row_major_kernels():
             ref = _ref(x.float(), pw, None)
             for fn in kernels.values():
                 torch.testing.assert_close(fn(x, i).float(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_linear_formats_come_from_the_header_cpp_compiles():
+    """One table (cpu/linear_formats.h): Python's codes are the enum the decoder stack and kernels dispatch on."""
+    from pagoda.kernels.linear_formats import _HEADER, LINEAR_FORMATS, PANEL_FORMATS, _read
+
+    assert _read(_HEADER) == LINEAR_FORMATS and len(set(LINEAR_FORMATS.values())) == len(LINEAR_FORMATS)
+    assert LINEAR_FORMATS["dense"] < 0 and LINEAR_FORMATS["panels"] < 0
+    assert FORMATS == {n: c for n, c in LINEAR_FORMATS.items() if c >= 0}
+    assert [FORMATS[n] - FORMATS["int4p"] for n in PANEL_FORMATS] == [0, 1, 2]  # quant_panel_linear's kinds

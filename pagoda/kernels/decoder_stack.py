@@ -17,9 +17,8 @@ from pagoda.kernels.paged_attention import fused_attention_supported
 if TYPE_CHECKING:
     from pagoda.layers.attention import AttentionMetadata
 
-# One linear as the op takes it: [weight or codes, scales, offsets, bias], format (-1: dense weight,
-# -2: panel-packed weight, else a quant_linear format), group size, and the most rows the stack
-# runs with it.
+# One linear as the op takes it: [weight or codes, scales, offsets, bias], its format's code (linear_formats.py,
+# the table cpu/linear_formats.h shares), group size, and the most rows the stack runs with it.
 LinearArgs = tuple[list[torch.Tensor | None], int, int, int]
 
 

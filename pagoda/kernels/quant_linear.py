@@ -23,10 +23,11 @@ import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.linear import PANEL
+from pagoda.kernels.linear_formats import PANEL_FORMATS, QUANT_FORMATS
 
-FORMATS = {"int4": 0, "int8": 1, "fp8": 2, "int4x8": 3, "int4p": 4, "int8p": 5, "fp8p": 6}
-# The panel kernel's (cpu/quant_panel_linear.cpp, at every row count), in the order of its `kind`.
-PANEL_FORMATS = ("int4p", "int8p", "fp8p")
+# PackedWeight.fmt -> the kernels' code, from the table C++ shares (cpu/linear_formats.h); PANEL_FORMATS are the
+# panel kernel's (cpu/quant_panel_linear.cpp, at every row count), in the order of its `kind`.
+FORMATS = QUANT_FORMATS
 
 @dataclass
 class PackedWeight:

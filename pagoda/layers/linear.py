@@ -6,6 +6,7 @@ from torch import nn
 
 from pagoda.kernels.decoder_stack import LinearArgs
 from pagoda.kernels.linear import PANELS_STACK_MAX_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
+from pagoda.kernels.linear_formats import DENSE, PANELS
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.kernels.quant_linear import (
     CPP_MAX_M,
@@ -66,8 +67,8 @@ class Linear(nn.Linear):
             max_rows = PANELS_STACK_MAX_M if pw.fmt in PANEL_FORMATS else CPP_MAX_M  # panels: one kernel at every M
             return [pw.data, pw.scales, pw.offsets, self.bias], FORMATS[pw.fmt], pw.group_size, max_rows
         if self.panels is not None:
-            return [self.panels, None, None, self.bias], -2, 0, PANELS_STACK_MAX_M
-        return ([self.weight, None, None, self.bias], -1, 0, SMALL_M) if self.small_m_ok else None
+            return [self.panels, None, None, self.bias], PANELS, 0, PANELS_STACK_MAX_M
+        return ([self.weight, None, None, self.bias], DENSE, 0, SMALL_M) if self.small_m_ok else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:

@@ -7,9 +7,7 @@
 //
 // Per layer l: norms[2l], norms[2l+1] are the input and post-attention RMSNorm weights; linears
 // holds qkv, o, gate_up, down in that order, each as four entries (weight or codes, scales, offsets,
-// bias); formats[4l + i] is -1 for a dense weight (small_m_linear), -2 for a panel-packed weight
-// (packed_linear), 4 / 5 / 6 for INT4 / INT8 / FP8 panels (quant_panel_linear) or a quant_linear format, with
-// group_sizes[4l + i] its group size.
+// bias); formats[4l + i] is its LinearFormat (linear_formats.h), with group_sizes[4l + i] its group size.
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -17,14 +15,12 @@
 
 #include <tuple>
 
+#include "linear_formats.h"
 #include "ops.h"
 
 namespace {
 
 constexpr int64_t kLinearsPerLayer = 4, kEntriesPerLinear = 4;
-// quant_linear.py FORMATS["int4p"], ["int8p"], ["fp8p"]: their own op (quant_panel_linear.cpp), whose kind is
-// the format minus kFirstPanels
-constexpr int64_t kFirstPanels = 4, kLastPanels = 6;
 
 at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& linears, int64_t index,
                       int64_t fmt, int64_t group_size) {
@@ -32,11 +28,11 @@ at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   const c10::optional<at::Tensor> w = linears.get(base), scales = linears.get(base + 1),
                                   offsets = linears.get(base + 2), bias = linears.get(base + 3);
   TORCH_CHECK(w.has_value(), "decoder_stack: linear ", index, " has no weight");
-  if (fmt == -1) return pagoda_cpu::small_m_linear(x, *w, bias);
-  if (fmt == -2) return pagoda_cpu::packed_linear(x, *w, bias);
+  if (fmt == pagoda_cpu::kDense) return pagoda_cpu::small_m_linear(x, *w, bias);
+  if (fmt == pagoda_cpu::kPanels) return pagoda_cpu::packed_linear(x, *w, bias);
   TORCH_CHECK(scales.has_value(), "decoder_stack: quantized linear ", index, " has no scales");
-  if (fmt >= kFirstPanels && fmt <= kLastPanels)
-    return pagoda_cpu::quant_panel_linear(x, *w, *scales, offsets, bias, group_size, fmt - kFirstPanels);
+  if (fmt >= pagoda_cpu::kInt4p && fmt <= pagoda_cpu::kFp8p)
+    return pagoda_cpu::quant_panel_linear(x, *w, *scales, offsets, bias, group_size, fmt - pagoda_cpu::kInt4p);
   return pagoda_cpu::quant_linear(x, *w, *scales, offsets, bias, fmt, group_size);
 }
 

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "dispatch_rows.h"
+#include "linear_formats.h"
 #include "ops.h"
 #include "vec_bf16.h"
 
@@ -39,7 +40,11 @@
 namespace {
 
 constexpr int64_t kChunkM = 8;
-enum Fmt : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2, kInt4A8 = 3 };  // kInt4A8: int4x8
+using Fmt = pagoda_cpu::LinearFormat;  // kInt4, kInt8, kFp8 and kInt4x8 (linear_formats.h)
+using pagoda_cpu::kFp8;
+using pagoda_cpu::kInt4;
+using pagoda_cpu::kInt4x8;
+using pagoda_cpu::kInt8;
 
 #if defined(PAGODA_QUANT_AVX512)
 // Decode 32 weights starting at weight column k (k % 32 == 0) of one row into a (first 16), b (last 16).
@@ -191,7 +196,7 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__GFNI__)
-// INT4 weights times INT8 activations over an 8-row interleaved layout (fmt kInt4A8; K % 64 == 0).
+// INT4 weights times INT8 activations over an 8-row interleaved layout (fmt kInt4x8; K % 64 == 0).
 // x is quantized per row and 32 columns to int8 with its own scale a (symmetric, round to nearest), as
 // llama.cpp's Q8 blocks are, so each 32 columns' dot product is an integer: y += s * a * sum(code * xq).
 // Layout (int4x8): for each block of 8 weight rows and 64-column chunk, 8 vectors of 32 bytes; vector t
@@ -367,14 +372,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar),
               "quant_linear: x [M, K], w uint8/int8 [N, bytes]");
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_linear: unknown format");
-  // int4x8 (kInt4A8) stores blocks of 8 rows: w [N / 8, 8 * K / 2].
-  const int64_t M = x.size(0), K = x.size(1), N = fmt == kInt4A8 ? 8 * w.size(0) : w.size(0);
+  // int4x8 (kInt4x8) stores blocks of 8 rows: w [N / 8, 8 * K / 2].
+  const int64_t M = x.size(0), K = x.size(1), N = fmt == kInt4x8 ? 8 * w.size(0) : w.size(0);
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_linear: unsupported K/group size");
-  TORCH_CHECK(fmt != kInt4A8 || int4x8_supported(K, group_size), "quant_linear: int4x8 needs this CPU's VNNI "
+  TORCH_CHECK(fmt != kInt4x8 || int4x8_supported(K, group_size), "quant_linear: int4x8 needs this CPU's VNNI "
               "and GFNI, K a multiple of 64 and of the group size");
   const int64_t row_bytes = fmt == kInt4 ? K / 2 : K;
   const int64_t G = K / group_size;
-  TORCH_CHECK(w.size(1) == (fmt == kInt4A8 ? 4 * K : row_bytes) && w.is_contiguous(), "quant_linear: weight shape");
+  TORCH_CHECK(w.size(1) == (fmt == kInt4x8 ? 4 * K : row_bytes) && w.is_contiguous(), "quant_linear: weight shape");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
               "quant_linear: scales fp32 [N, G]");
   if (offsets.has_value())
@@ -387,7 +392,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   auto y = at::empty({M, N}, x.options());
 #if defined(PAGODA_QUANT_AVX512)
 #if defined(PAGODA_INT4_I8)
-  if (fmt == kInt4A8) {
+  if (fmt == kInt4x8) {
     // Quantize x to int8 per row and 32 columns (scale = max|x| / 127), each 64-column chunk split
     // [even | odd]; xs: exact fp32 sums per weight group, for the offsets.
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -506,7 +511,7 @@ at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_dequantize: unknown format");
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_dequantize: unsupported K/group size");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bfloat16");
-  const bool il = fmt == kInt4A8;  // int4x8: w [N / 8, 8 * K / 2]
+  const bool il = fmt == kInt4x8;  // int4x8: w [N / 8, 8 * K / 2]
   const int64_t N = il ? 8 * w.size(0) : w.size(0), G = K / group_size, row_bytes = fmt == kInt4 || il ? K / 2 : K;
   TORCH_CHECK(w.dim() == 2 && w.size(1) == (il ? 8 : 1) * row_bytes && w.is_contiguous(), "quant_dequantize: weight shape");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,

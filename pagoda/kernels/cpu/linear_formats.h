@@ -1,0 +1,23 @@
+// The formats of a linear layer's weight as the kernels take them: ONE table for C++ and Python
+// (pagoda/kernels/linear_formats.py reads this enum at import, so a new format is added here only).
+// The decoder stack (decoder_stack.cpp) dispatches on it; quant_linear.cpp takes kInt4..kInt4x8;
+// quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p).
+#pragma once
+
+#include <cstdint>
+
+namespace pagoda_cpu {
+
+enum LinearFormat : int64_t {
+  kDense = -1,   // a float weight [N, K], small_m_linear
+  kPanels = -2,  // a float weight in panels of 16 output columns, packed_linear
+  kInt4 = 0,     // INT4 codes, row-major, groups along K
+  kInt8 = 1,     // INT8 codes, row-major
+  kFp8 = 2,      // FP8 e4m3 codes, row-major
+  kInt4x8 = 3,   // INT4 in blocks of 8 interleaved rows, INT8 activations (VNNI)
+  kInt4p = 4,    // INT4 in panels of 16 output columns
+  kInt8p = 5,    // INT8 in panels, as two INT4 halves
+  kFp8p = 6,     // FP8 in panels
+};
+
+}  // namespace pagoda_cpu
