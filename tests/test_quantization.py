@@ -138,6 +138,23 @@ def test_gguf_native_model_matches_float_path(float_tokens):
     assert _greedy(llm) == float_tokens
 
 
+def test_int4_on_a_q4_gguf_keeps_the_files_grid():
+    """quantization="int4" on the embedded Q4_1 GGUF loads its blocks as stored (groups of 32), not a
+    re-quantization of their dequantized values onto coarser groups: the same weights as "gguf"."""
+    int4 = LLM(quantization="int4", dtype="float32", kv_cache_memory="64MiB").engine.runner.model
+    native = LLM(quantization="gguf", dtype="float32", kv_cache_memory="64MiB").engine.runner.model
+    for a, b in ((int4.layers[3].mlp.down_proj, native.layers[3].mlp.down_proj),
+                 (int4.layers[0].self_attn.qkv_proj, native.layers[0].self_attn.qkv_proj)):
+        qa, qb = a.qweight, b.qweight
+        assert (qa.fmt, qa.group_size) == (qb.fmt, qb.group_size) == ("int4", 32)
+        assert torch.equal(qa.data, qb.data) and torch.equal(qa.scales, qb.scales) and torch.equal(qa.offsets, qb.offsets)
+    assert isinstance(int4.embed_tokens, QuantEmbedding) and int4.lm_head.qweight.fmt == "int8"  # the Q8_0 table
+    bf16 = LLM(quantization="int4", dtype="bfloat16", kv_cache_memory="64MiB")
+    assert bf16.engine.runner.model.embed_tokens.dtype == torch.bfloat16  # the table dequantizes to the compute dtype
+    out = bf16.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length" and out[0].outputs[0].token_ids
+
+
 @pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.quant_panels_supported(64, 64)),
                     reason="the INT4/INT8 panel kernel needs AVX512-BF16")
 def test_gguf_native_bf16_runs_the_panel_kernel_and_matches_bf16_float():

@@ -68,6 +68,8 @@ def perplexity(llm: Any, token_ids: list[int], max_length: int = 512, stride: in
     for w, out in zip(windows, outs):
         length = w.end - w.begin
         lps = out.prompt_logprobs
+        if lps is None or out.outputs[0].finish_reason == "error":
+            raise RuntimeError(f"perplexity: the engine failed window {w.begin}..{w.end} (see the log)")
         for j in range(length - w.num_scored, length):
             tok = token_ids[w.begin + j]
             nll -= lps[j][tok].logprob

@@ -73,7 +73,7 @@ def load_weights(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> None:
 
     loaded = model.load_weights(floats())
     unfused: list[tuple[str, torch.Tensor]] = []
-    loaded |= _attach_packed(model, packed, plan.staging, unfused)
+    loaded |= _attach_packed(model, packed, plan.staging, dtype, unfused)
     loaded |= model.load_weights(unfused)
     model.check_weights(loaded)
     tie_lm_head(model)
@@ -83,12 +83,12 @@ def load_weights(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> None:
     set_param_dtype(model, dtype)
 
 
-def _attach_packed(model: nn.Module, packed: dict[str, PackedWeight], dtype: torch.dtype,
-                   unfused: list[tuple[str, torch.Tensor]]) -> set[str]:
+def _attach_packed(model: nn.Module, packed: dict[str, PackedWeight], staging: torch.dtype,
+                   dtype: torch.dtype, unfused: list[tuple[str, torch.Tensor]]) -> set[str]:
     """Put HF-prefixed packed weights into the model's (fused) Linears, or a packed embedding table into a
-    QuantEmbedding. Fused parts are concatenated along output rows; where they cannot be (a part is
-    float, or the formats differ), the parts are dequantized into `unfused` instead. Returns the HF weight
-    names now loaded."""
+    QuantEmbedding that dequantizes to the compute `dtype`. Fused parts are concatenated along output rows;
+    where they cannot be (a part is float, or the formats differ), the parts are dequantized (to `staging`)
+    into `unfused` instead. Returns the HF weight names now loaded."""
     groups: dict[str, list[PackedWeight | None]] = {}
     names: dict[str, list[str]] = {}
     for prefix, pw in packed.items():
@@ -107,7 +107,7 @@ def _attach_packed(model: nn.Module, packed: dict[str, PackedWeight], dtype: tor
                 raise ValueError("a part is not packed")
             fused = parts[0] if len(parts) == 1 else PackedWeight.cat(parts)  # type: ignore[arg-type]
         except ValueError:
-            unfused.extend((n + ".weight", packed[n].dequantize(dtype)) for n in names[path])
+            unfused.extend((n + ".weight", packed[n].dequantize(staging)) for n in names[path])
             continue
         module.set_quantized(fused)
         loaded.update(n + ".weight" for n in names[path])

@@ -4,6 +4,9 @@
   checkpoint (config.json quantization_config), which always loads quantized.
 - int8 / int4 / fp8: float weights read in fp32, every decoder Linear's matrix quantized as it streams by,
   the LM head (tied or not) quantized once loaded (methods.lm_head_method).
+- int4 on a GGUF keeps the file's grid: Q4_0/Q4_1 matrices load as stored (INT4, groups of 32, exact) and
+  a Q8_0 embedding stays the tied head's INT8 table, instead of re-quantizing their dequantized values onto
+  coarser groups (which costs SmolLM2 a third more perplexity); other matrices are quantized as above.
 - gguf: Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks (pagoda.quantization.gguf_native).
 """
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from pagoda.kernels.quant_linear import PackedWeight
 from pagoda.model.loader import ModelFiles
 from pagoda.model.weights import LoadPlan, Weight
 from pagoda.quantization.methods import ON_THE_FLY, check_method, quantize_weight
@@ -43,12 +47,28 @@ def load_plan(files: ModelFiles, dtype: torch.dtype, method: str | None, group_s
         return LoadPlan(gguf_native_weights(files, dtype), dtype)
     if method is None:
         return LoadPlan(files.iter_weights(dtype), dtype)
+    if method == "int4" and files.kind == "gguf":
+        from pagoda.quantization.gguf_native import gguf_native_weights
+
+        return LoadPlan(_int4_keeping_the_grid(gguf_native_weights(files, torch.float32), group_size, is_linear),
+                        torch.float32, method, group_size)
     if files.kind == "gguf":
         # A quantized GGUF (the default model) is re-quantized from its dequantized float values: the
         # float32 baseline of the benchmark runs exactly those, so the comparison is like for like.
         logger.info("quantization %s: re-quantizing the dequantized weights of %s", method, files.source)
     return LoadPlan(quantize_stream(files.iter_weights(torch.float32), method, group_size, is_linear),
                     torch.float32, method, group_size)
+
+
+def _int4_keeping_the_grid(weights: Iterable[tuple[str, Weight]], group_size: int,
+                           is_linear: Callable[[str], bool]) -> Iterator[tuple[str, Weight]]:
+    """A GGUF's stream under int4: INT4 blocks as stored; a Linear matrix in any other format is quantized to
+    INT4 from its float values; the rest (norms, a packed embedding table) passes through."""
+    for name, w in weights:
+        if not is_linear(name) or (isinstance(w, PackedWeight) and w.fmt == "int4"):
+            yield name, w
+        else:
+            yield name, quantize_weight("int4", w.dequantize() if isinstance(w, PackedWeight) else w, group_size)
 
 
 def quantize_stream(weights: Iterable[tuple[str, Weight]], method: str, group_size: int,
