@@ -147,7 +147,7 @@ def test_int4_on_a_q4_gguf_keeps_the_files_grid():
                  (int4.layers[0].self_attn.qkv_proj, native.layers[0].self_attn.qkv_proj)):
         qa, qb = a.qweight, b.qweight
         assert (qa.fmt, qa.group_size) == (qb.fmt, qb.group_size) == ("int4", 32)
-        assert torch.equal(qa.data, qb.data) and torch.equal(qa.scales, qb.scales) and torch.equal(qa.offsets, qb.offsets)
+        assert all(torch.equal(getattr(qa, f), getattr(qb, f)) for f in ("data", "scales", "offsets"))
     assert isinstance(int4.embed_tokens, QuantEmbedding) and int4.lm_head.qweight.fmt == "int8"  # the Q8_0 table
     bf16 = LLM(quantization="int4", dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.runner.model.embed_tokens.dtype == torch.bfloat16  # the table dequantizes to the compute dtype
