@@ -57,7 +57,9 @@ class LLMEngine:
         if sched_cfg.max_model_len and sched_cfg.max_model_len > self.args.max_position_embeddings:
             raise ValueError(f"max_model_len {sched_cfg.max_model_len} exceeds the model's context "
                              f"{self.args.max_position_embeddings}")
-        self.runner = ModelRunner(config, self.files, self.args, self.dtype, config.kernel_policy())
+        policy = config.kernel_policy()
+        logger.info("CPU kernels: %s", policy.kernel_set)
+        self.runner = ModelRunner(config, self.files, self.args, self.dtype, policy)
         # Enough blocks for every sequence at full context, capped by free RAM (CacheConfig.pool_bytes).
         blocks_wanted = sched_cfg.max_num_seqs * -(-self.max_model_len // config.cache.block_size)
         num_blocks = config.cache.pool_bytes(self.runner.kv_bytes_per_block(), blocks_wanted) \

@@ -23,6 +23,17 @@ class KernelPolicy:
         check_kernels(kernels, int4_activations)
         return cls(cpp=kernels == "auto" and kernel_available(), int4_activations=int4_activations)
 
+    @property
+    def kernel_set(self) -> str:
+        """Which kernels run, in a word or two: what the start-up log line and /version say."""
+        from pagoda.kernels.cpu_features import has_avx512, has_avx512_bf16
+
+        if not self.cpp:
+            return "torch fallback"
+        if has_avx512_bf16():
+            return "avx512_bf16"
+        return "avx512" if has_avx512() else "scalar C++ (no AVX-512 paths)"
+
 
 TORCH_ONLY = KernelPolicy(cpp=False)
 

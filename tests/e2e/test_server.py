@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.engine.stats import EngineStats
+from pagoda.kernels.policy import KernelPolicy
 from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
@@ -84,7 +85,10 @@ def sse_lines(server: ServerProcess, path: str, body: dict[str, Any]) -> list[st
 # ---- basics --------------------------------------------------------------------------------------
 def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert "version" in httpx.get(f"{server.url}/version").json()
+    version = httpx.get(f"{server.url}/version").json()
+    assert "version" in version
+    # The kernel set in use, as the start-up log says it
+    assert version["cpu_kernels"] == KernelPolicy.resolve().kernel_set != "torch fallback"
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
 
@@ -371,6 +375,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.args = SimpleNamespace(vocab_size=256)
         self.scheduler = SimpleNamespace(waiting=deque())
+        self.runner = SimpleNamespace(policy=KernelPolicy(cpp=False))
         self.requests: dict[str, dict] = {}
         self.hold = False
         self.fail_next = False

@@ -104,7 +104,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": pagoda.__version__}
+        return {"version": pagoda.__version__, "cpu_kernels": core.runner.policy.kernel_set}
 
     @app.post("/tokenize")
     async def tokenize(req: P.TokenizeRequest) -> P.TokenizeResponse:
