@@ -55,7 +55,7 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
             and torch.ops.pagoda.quant_panels_supported(64, 64):
         assert down.qweight.fmt == "int4p"
     # Panel-packed weights, dense or INT4: one kernel at every row count, so every step, prefill too.
-    panels = down.panels is not None or (down.qweight is not None and down.qweight.fmt in PANEL_FORMATS)
+    panels = down.matmul.panels is not None or (down.qweight is not None and down.qweight.fmt in PANEL_FORMATS)
     assert stack is not None and stack.max_rows == (PANELS_STACK_MAX_M if panels else 16 if quantization else 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, ops = _run(llm, params)

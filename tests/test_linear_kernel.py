@@ -97,3 +97,33 @@ def test_model_sweep_times_panels_against_the_kernel_they_replaced():
             ref = F.linear(x.float(), w.float())
             for fn in kernels.values():
                 torch.testing.assert_close(fn(x, i).float(), ref, atol=1e-2, rtol=8e-3)
+
+
+def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
+    from pagoda.kernels.cpu_extension import kernel_available
+    from pagoda.kernels.linear import PANELS_STACK_MAX_M
+    from pagoda.kernels.linear_formats import DENSE, LINEAR_FORMATS, PANELS
+    from pagoda.kernels.linear_kernel import choose_linear_kernel
+    from pagoda.kernels.policy import TORCH_ONLY, KernelPolicy
+    from pagoda.kernels.quant_linear import CPP_MAX_M, cpp_supported
+    from pagoda.quantization.methods import quantize_weight
+
+    w, x = torch.randn(64, 128), torch.randn(3, 128)
+    torch_only = choose_linear_kernel(w, None, None, torch.float32, TORCH_ONLY)
+    assert (torch_only.fmt, torch_only.cpp, torch_only.panels, torch_only.stack_args()) == (DENSE, False, None, None)
+    torch.testing.assert_close(torch_only(x), F.linear(x, w))
+    if not kernel_available():
+        return
+    auto = KernelPolicy.resolve()
+    dense = choose_linear_kernel(w, None, None, torch.float32, auto)
+    assert dense.fmt == (PANELS if panel_pack(w) is not None else DENSE)
+    if dense.fmt == PANELS:
+        assert dense.stack_args()[1:] == (PANELS, 0, PANELS_STACK_MAX_M)
+    torch.testing.assert_close(dense(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    pw = quantize_weight("int4", w, 32)
+    q32 = choose_linear_kernel(None, pw, None, torch.float32, auto)  # fp32 activations keep the row layout
+    assert q32.qweight is pw and q32.fmt == LINEAR_FORMATS["int4"]
+    assert q32.stack_rows == (CPP_MAX_M if cpp_supported(pw) else 0)
+    q16 = choose_linear_kernel(None, pw, None, torch.bfloat16, auto)
+    if q16.qweight.fmt == "int4p":  # the panel kernel serves every row count
+        assert q16.fmt == LINEAR_FORMATS["int4p"] and q16.stack_rows == PANELS_STACK_MAX_M

@@ -48,7 +48,7 @@ def parse_row(spec: str, model: str | None) -> RowSpec:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every weight the model holds (parameters, weight buffers, packed quantized weights),
     each storage counted once; the KV cache and RoPE tables are not weights, nor is the packed copy of a
-    float weight (Linear.panels or Linear.packed, a layout cache that float rows hold in addition)."""
+    float weight (a Linear's matmul panels or oneDNN layout, a cache that float rows hold in addition)."""
     seen: set[int] = set()
     total = 0
 
@@ -63,7 +63,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
     for m in model.modules():
         for name, value in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]:
-            if value is None or "cache" in name or name in ("cos", "sin", "k_scale", "v_scale", "packed", "panels"):
+            if value is None or "cache" in name or name in ("cos", "sin", "k_scale", "v_scale", "matmul"):
                 continue
             if isinstance(value, torch.Tensor):
                 add(value)

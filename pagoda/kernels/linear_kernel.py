@@ -1,0 +1,69 @@
+"""The kernel one linear layer runs, chosen once when its weights are final (`choose_linear_kernel`).
+
+A record holds everything the choice decided: the weight in the chosen kernel's layout, the format's code
+(linear_formats.py, the table C++ shares), whether the C++ kernels run it, and how many rows the C++
+decoder stack may run with it. `Linear.forward` calls the record and `Linear.stack_args` reads it, so no
+caller branches on formats again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.kernels.decoder_stack import LinearArgs
+from pagoda.kernels.linear import PANELS_STACK_MAX_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
+from pagoda.kernels.linear_formats import DENSE, PANEL_FORMATS, PANELS
+from pagoda.kernels.policy import KernelPolicy
+from pagoda.kernels.quant_linear import CPP_MAX_M, FORMATS, PackedWeight, cpp_supported, kernel_layout, quant_linear
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    fmt: int                          # the format's code (linear_formats.LINEAR_FORMATS)
+    weight: torch.Tensor | None       # dense: the float weight [N, K] (the reference every path equals)
+    qweight: PackedWeight | None      # quantized: the codes in the kernel's layout
+    bias: torch.Tensor | None
+    cpp: bool = False                 # the C++ kernels run it (dense: the few-row streaming kernel)
+    panels: torch.Tensor | None = None  # dense: the weight in packed_linear's panels, used at every row count
+    onednn: torch.Tensor | None = None  # dense without panels: oneDNN's layout, above SMALL_M rows
+    stack_rows: int = 0               # the C++ decoder stack runs steps up to this many rows with it (0: never)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant_linear(x, self.qweight, self.bias, self.cpp)
+        assert self.weight is not None
+        return linear(x, self.weight, self.bias, self.cpp, self.onednn, self.panels)
+
+    def stack_args(self) -> LinearArgs | None:
+        """The layer as the C++ decoder stack takes it; None where its few-row path is not a C++ kernel."""
+        if not self.stack_rows:
+            return None
+        pw = self.qweight
+        if pw is not None:
+            return [pw.data, pw.scales, pw.offsets, self.bias], self.fmt, pw.group_size, self.stack_rows
+        return [self.panels if self.fmt == PANELS else self.weight, None, None, self.bias], self.fmt, 0, \
+            self.stack_rows
+
+
+def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | None, bias: torch.Tensor | None,
+                         act_dtype: torch.dtype, policy: KernelPolicy) -> LinearKernel:
+    """The kernel for a float `weight` or a quantized `qweight` at activations of `act_dtype` under `policy`:
+    quantized weights take the layout their CPU kernel reads (kernel_layout: panels, int4x8); float weights
+    are panel-packed where packed_linear takes them, else run the streaming kernel for few rows and oneDNN
+    on a prepacked copy above."""
+    if qweight is not None:
+        pw = kernel_layout(qweight, act_dtype, policy.int4_activations) if policy.cpp else qweight
+        cpp = policy.cpp and cpp_supported(pw)
+        rows = (PANELS_STACK_MAX_M if pw.fmt in PANEL_FORMATS else CPP_MAX_M) if cpp else 0  # panels: every M
+        return LinearKernel(FORMATS[pw.fmt], None, pw, bias, cpp, stack_rows=rows)
+    assert weight is not None
+    if not policy.cpp:
+        return LinearKernel(DENSE, weight, None, bias, onednn=prepack(weight))  # oneDNN's layout: torch's own
+    panels = panel_pack(weight)
+    if panels is not None:
+        return LinearKernel(PANELS, weight, None, bias, panels=panels, stack_rows=PANELS_STACK_MAX_M)
+    small_m = weight.device.type == "cpu" and weight.is_contiguous() \
+        and small_m_supported(weight.dtype, weight.shape[1])
+    return LinearKernel(DENSE, weight, None, bias, small_m, onednn=prepack(weight),
+                        stack_rows=SMALL_M if small_m else 0)
