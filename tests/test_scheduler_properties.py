@@ -60,8 +60,7 @@ class Simulator:
                     "wrong KV served"
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 self.content[(table[pos // bs], pos % bs)] = tuple(seq.token_ids[:pos + 1])
-            seq.num_computed_tokens += n
-            kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+        self.sched.advance_computed(out)  # the engine's own call after the forward
         assert sum(out.num_scheduled) <= self.sched.config.max_num_batched_tokens
         finished = []
         for seq in list(out.seqs):

@@ -9,6 +9,7 @@ runs dry, the newest running sequence is preempted (KV dropped, recomputed later
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
@@ -124,6 +125,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+    def advance_computed(self, sched: SchedulerOutput, skip: Collection[int] = ()) -> None:
+        """After the forward: each scheduled sequence (but the rows in `skip`, and finished ones) has KV for
+        the tokens it was scheduled, and its full blocks join the prefix cache."""
+        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
+            if row in skip or seq.finished:
+                continue
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
 
     def settle_speculation(self, seq: Sequence) -> None:
         """After a verification appended its tokens: KV is valid for everything but the newest token (the

@@ -328,11 +328,8 @@ class LLMEngine:
         out = self.runner.execute(sched, self.kv.block_tables)
         t_fwd = time.perf_counter() - t_fwd
         self._record_prompt_logprobs(sched, out.prompt_logits, touched)
-        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
-            if row in out.spec_logits or seq.finished:
-                continue  # speculative rows advance (and cache blocks) only after acceptance, below
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+        # Speculative rows advance (and cache blocks) only after acceptance, below (settle_speculation).
+        self.scheduler.advance_computed(sched, skip=out.spec_logits.keys())
         rows = [(s, r) for s, r in self._fork_parallel_samples(sched, out.sample_rows) if not s.finished]
         if rows:
             seqs = [s for s, _ in rows]
