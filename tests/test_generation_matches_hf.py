@@ -1,6 +1,9 @@
 """Greedy generation equals HF transformers token for token in float32, on the same weights."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +39,63 @@ def hf_llama(tiny_llama):
 @pytest.fixture(scope="module")
 def hf_qwen2(tiny_qwen2):
     return hf_greedy(tiny_qwen2, PROMPTS, 24)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie_word_embeddings=True))
+
+
+def test_tiny_qwen3_with_per_head_qk_norms_matches_hf(tiny_qwen3, default_gguf):
+    """Qwen3: RMSNorm over each q and k head before RoPE, head_dim apart from hidden / heads."""
+    want = hf_greedy(tiny_qwen3, PROMPTS, 24)
+    assert run(tiny_qwen3, default_gguf, 24) == want
+    assert run(tiny_qwen3, default_gguf, 24, max_num_batched_tokens=16, block_size=4) == want  # chunked prefill
+    # The same weights as llama.cpp's converter writes a Qwen3 GGUF (F32, rows as in HF: no Q/K permute).
+    gguf_path = _write_qwen3_gguf(Path(tiny_qwen3), Path(tiny_qwen3) / "tiny-qwen3.gguf")
+    assert run(str(gguf_path), default_gguf, 24) == want
+
+
+def _write_qwen3_gguf(hf_dir: Path, path: Path) -> Path:
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        if name in top:
+            gname = top[name]
+        else:
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, leaf = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{layer[module]}.{leaf}"
+        w.add_tensor(gname, np.ascontiguousarray(t.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])

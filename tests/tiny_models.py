@@ -8,7 +8,7 @@ import torch
 
 def build_tiny_model(path: Path, arch: str, **overrides) -> Path:
     """Save a tiny random-weight HF model (safetensors) to `path` and return it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -20,6 +20,8 @@ def build_tiny_model(path: Path, arch: str, **overrides) -> Path:
         model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common))
+    elif arch == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
+        model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, **{"head_dim": 32, **common}))
     else:
         raise ValueError(arch)
     model.save_pretrained(path, safe_serialization=True)

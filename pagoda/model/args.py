@@ -22,6 +22,7 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -32,7 +33,7 @@ class ModelArgs:
         archs = cfg.get("architectures") or []
         if not archs:
             mt = cfg.get("model_type", "")
-            archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
+            archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
                      "mistral": ["MistralForCausalLM"]}.get(mt, [])
         if not archs:
             raise ValueError("config.json has neither 'architectures' nor a known 'model_type'")
@@ -77,6 +78,7 @@ class ModelArgs:
                 max_position_embeddings=_size(cfg, "max_position_embeddings", 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                qk_norm=arch == "Qwen3ForCausalLM",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 hf_config=cfg,

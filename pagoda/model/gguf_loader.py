@@ -41,7 +41,8 @@ _MAX_DIMS = 4          # GGML_MAX_DIMS
 _MAX_ARRAY_DEPTH = 4   # nested metadata arrays: real files use none; bounded so a corrupt one cannot recurse
 
 # GGUF architecture -> (HF architectures entry, HF model_type).
-SUPPORTED_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+SUPPORTED_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                   "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 
 class SkippedStrings:
@@ -299,7 +300,8 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
     if vocab is None:
         raise ModelFileError(g.path, "cannot determine the vocab size from the GGUF metadata")
 
-    default_theta = 1_000_000.0 if arch == "qwen2" else 10_000.0
+    qwen = arch in ("qwen2", "qwen3")
+    default_theta = 1_000_000.0 if qwen else 10_000.0
     cfg: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -310,7 +312,7 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "vocab_size": int(vocab),
-        "rms_norm_eps": _meta_float(g, "attention.layer_norm_rms_epsilon", 1e-6 if arch == "qwen2" else 1e-5),
+        "rms_norm_eps": _meta_float(g, "attention.layer_norm_rms_epsilon", 1e-6 if qwen else 1e-5),
         "rope_theta": _meta_float(g, "rope.freq_base", default_theta),
         "rope_scaling": None,
         "max_position_embeddings": _meta_int(g, "context_length", 2048),
@@ -342,6 +344,7 @@ _LAYER_MAP = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's per-head norms
 }
 _TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")

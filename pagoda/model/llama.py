@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5) over a flat varlen batch.
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a flat varlen batch.
 
 Projections are fused at load (q|k|v and gate|up) so a layer runs three matmuls, not seven.
 """
@@ -31,9 +31,24 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.attention_bias and not _is_qwen2(a))
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim)
         self.rope = rope
+        self.head_dim = a.head_dim
+        # Qwen3: each q and k head is RMS-normalized (its own weight over head_dim) before RoPE.
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attn.forward_qkv(self.qkv_proj(x), positions, meta, self.rope))
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
+        return self.o_proj(self.attn.forward_qkv(qkv, positions, meta, self.rope))
+
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        """q and k of fused qkv rows [T, (Hq + 2 Hkv) D], each head normalized in place."""
+        assert self.q_norm is not None and self.k_norm is not None
+        d, q, kv = self.head_dim, self.q_size, self.kv_size
+        for norm, cols in ((self.q_norm, slice(0, q)), (self.k_norm, slice(q, q + kv))):
+            heads = qkv[:, cols].reshape(-1, d)
+            qkv[:, cols] = norm(heads).view(qkv.shape[0], -1)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)
 
@@ -127,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
             m.__dict__.update(m._parameters)
         if shared:
             self.embed_tokens.pw = self.lm_head.qweight
-        self.stack = self._decoder_stack() if use_kernels else None
+        # The C++ stack runs the layers as Llama's: a model with q/k norms takes the layer-by-layer path.
+        self.stack = self._decoder_stack() if use_kernels and not self.args.qk_norm else None
 
     def _decoder_stack(self) -> DecoderStack | None:
         norms, linears = [], []
@@ -197,6 +213,8 @@ def weight_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
              "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
              "post_attention_layernorm.weight": (h,)}
+    if a.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)}
     if a.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
         if not _is_qwen2(a):

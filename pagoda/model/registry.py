@@ -10,6 +10,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,  # no sliding window yet: exact up to its window
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # + RMSNorm over each q and k head (ModelArgs.qk_norm)
 }
 
 
