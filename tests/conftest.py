@@ -46,6 +46,12 @@ def tiny_qwen2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """Qwen3: per-head q/k norms, head_dim apart from hidden / heads."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
 def smollm_llm():
     from pagoda import LLM
     return LLM(dtype="float32", kv_cache_memory="256MiB")

@@ -38,6 +38,8 @@ def _run(llm: LLM, params: SamplingParams) -> tuple[list, set[str]]:
     ("tiny_llama", "bfloat16", "int4+int8-activations", "auto"),
     ("tiny_llama", "float32", "int8", "fp8_e4m3"),
     ("tiny_llama", "bfloat16", "fp8", "auto"),
+    ("tiny_qwen3", "float32", None, "auto"),       # per-head q/k norms inside the stack
+    ("tiny_qwen3", "bfloat16", "int4", "auto"),
 ])
 def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype, default_gguf, request):
     int8_activations = quantization == "int4+int8-activations"

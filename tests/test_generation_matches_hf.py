@@ -41,13 +41,6 @@ def hf_qwen2(tiny_qwen2):
     return hf_greedy(tiny_qwen2, PROMPTS, 24)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    from tiny_models import build_tiny_model
-
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie_word_embeddings=True))
-
-
 def test_tiny_qwen3_with_per_head_qk_norms_matches_hf(tiny_qwen3, default_gguf):
     """Qwen3: RMSNorm over each q and k head before RoPE, head_dim apart from hidden / heads."""
     want = hf_greedy(tiny_qwen3, PROMPTS, 24)

@@ -27,6 +27,7 @@ class DecoderStack:
     """Per-layer tensors in the op's flat order, gathered once when the weights are final."""
 
     norms: list[torch.Tensor]            # input and post-attention RMSNorm weight of each layer
+    qk_norms: list[torch.Tensor]         # each layer's q and k head norm weights (Qwen3), or none
     linears: list[torch.Tensor | None]   # qkv, o, gate_up, down of each layer, 4 entries each
     formats: list[int]
     group_sizes: list[int]
@@ -42,11 +43,11 @@ class DecoderStack:
 
     @staticmethod
     def build(norms: list[torch.Tensor], linears: list[LinearArgs | None], eps: float, attention: list,
-              rope: torch.nn.Module) -> DecoderStack | None:
+              rope: torch.nn.Module, qk_norms: list[torch.Tensor] | None = None) -> DecoderStack | None:
         """None where some linear has no streaming kernel (the op would have nothing to call)."""
         if not attention or any(lin is None for lin in linears):
             return None
-        return DecoderStack(norms, [t for lin in linears for t in lin[0]], [lin[1] for lin in linears],
+        return DecoderStack(norms, qk_norms or [], [t for lin in linears for t in lin[0]], [lin[1] for lin in linears],
                             [lin[2] for lin in linears], min(lin[3] for lin in linears), eps, attention, rope)
 
     def takes(self, x: torch.Tensor) -> bool:
@@ -68,5 +69,6 @@ class DecoderStack:
         k, v, ks, vs = self._caches
         return torch.ops.pagoda.decoder_stack(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, k, v, ks, vs, self.norms, self.linears, self.formats, self.group_sizes, self.eps,
+            meta.seq_lens, k, v, ks, vs, self.norms, self.qk_norms, self.linears, self.formats, self.group_sizes,
+            self.eps,
             a0.scale, a0.num_heads, a0.num_kv_heads, num_layers)

@@ -142,18 +142,19 @@ class LlamaForCausalLM(nn.Module):
             m.__dict__.update(m._parameters)
         if shared:
             self.embed_tokens.pw = self.lm_head.qweight
-        # The C++ stack runs the layers as Llama's: a model with q/k norms takes the layer-by-layer path.
-        self.stack = self._decoder_stack() if use_kernels and not self.args.qk_norm else None
+        self.stack = self._decoder_stack() if use_kernels else None
 
     def _decoder_stack(self) -> DecoderStack | None:
-        norms, linears = [], []
+        norms, qk_norms, linears = [], [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if attn.q_norm is not None and attn.k_norm is not None:
+                qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
             linears += [p.stack_args() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         first = self.layers[0]
         return DecoderStack.build(norms, linears, first.input_layernorm.eps,
-                                  self.attention_layers(), first.self_attn.rope)
+                                  self.attention_layers(), first.self_attn.rope, qk_norms)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -8,6 +8,8 @@
 // Per layer l: norms[2l], norms[2l+1] are the input and post-attention RMSNorm weights; linears
 // holds qkv, o, gate_up, down in that order, each as four entries (weight or codes, scales, offsets,
 // bias); formats[4l + i] is its LinearFormat (linear_formats.h), with group_sizes[4l + i] its group size.
+// qk_norms is empty, or holds each layer's q and k head norm weights (Qwen3: RMSNorm over each head of q
+// and k before RoPE), 2l and 2l + 1.
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +23,13 @@
 namespace {
 
 constexpr int64_t kLinearsPerLayer = 4, kEntriesPerLinear = 4;
+
+// RMSNorm over each head of the `num` heads starting at head `first` of the fused qkv rows, in place: the
+// same kernel on the same contiguous rows as the model's layer-by-layer path (LlamaAttention._norm_heads).
+void norm_heads(at::Tensor& qkv, const at::Tensor& weight, double eps, int64_t first, int64_t num, int64_t D) {
+  at::Tensor cols = qkv.narrow(1, first * D, num * D);
+  cols.copy_(pagoda_cpu::rms_norm(cols.reshape({-1, D}), weight, eps, c10::nullopt).view({qkv.size(0), num * D}));
+}
 
 at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& linears, int64_t index,
                       int64_t fmt, int64_t group_size) {
@@ -42,7 +51,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
     const at::Tensor& seq_lens, at::TensorList k_caches, at::TensorList v_caches,
     const c10::List<c10::optional<at::Tensor>>& k_scales, const c10::List<c10::optional<at::Tensor>>& v_scales,
-    at::TensorList norms, const c10::List<c10::optional<at::Tensor>>& linears, at::IntArrayRef formats,
+    at::TensorList norms, const c10::List<c10::optional<at::Tensor>>& qk_norms,
+    const c10::List<c10::optional<at::Tensor>>& linears, at::IntArrayRef formats,
     at::IntArrayRef group_sizes, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
     int64_t num_layers) {
   const int64_t L = num_layers;
@@ -54,6 +64,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
                   static_cast<int64_t>(formats.size()) >= L * kLinearsPerLayer &&
                   static_cast<int64_t>(group_sizes.size()) >= L * kLinearsPerLayer,
               "decoder_stack: per-layer lists are shorter than num_layers");
+  const bool qk = qk_norms.size() > 0;
+  TORCH_CHECK(!qk || static_cast<int64_t>(qk_norms.size()) >= 2 * L, "decoder_stack: qk_norms is shorter than 2 per layer");
   at::Tensor h = x, residual;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t li = l * kLinearsPerLayer;
@@ -65,6 +77,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
       a = pagoda_cpu::rms_norm(h, norms[2 * l], eps, residual);
     }
     at::Tensor qkv = run_linear(a, linears, li, formats[li], group_sizes[li]);
+    if (qk) {
+      const int64_t hd = qkv.size(1) / (num_heads + 2 * num_kv_heads);
+      norm_heads(qkv, *qk_norms.get(2 * l), eps, 0, num_heads, hd);
+      norm_heads(qkv, *qk_norms.get(2 * l + 1), eps, num_heads, num_kv_heads, hd);
+    }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     a = pagoda_cpu::rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                                          query_start_loc, seq_lens, scale, num_heads, num_kv_heads, k_scales.get(l),
@@ -83,7 +100,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def(
       "decoder_stack(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-      "Tensor(c!)?[] k_scales, Tensor(d!)?[] v_scales, Tensor[] norms, Tensor?[] linears, int[] formats, "
+      "Tensor(c!)?[] k_scales, Tensor(d!)?[] v_scales, Tensor[] norms, Tensor?[] qk_norms, Tensor?[] linears, "
+      "int[] formats, "
       "int[] group_sizes, float eps, float scale, int num_heads, int num_kv_heads, int num_layers) "
       "-> (Tensor, Tensor)");
 }
