@@ -111,7 +111,7 @@ def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
     w, x = torch.randn(64, 128), torch.randn(3, 128)
     torch_only = choose_linear_kernel(w, None, None, torch.float32, TORCH_ONLY)
     assert (torch_only.fmt, torch_only.cpp, torch_only.panels, torch_only.stack_args()) == (DENSE, False, None, None)
-    torch.testing.assert_close(torch_only(x), F.linear(x, w))
+    torch.testing.assert_close(torch_only.run(x), F.linear(x, w))
     if not kernel_available():
         return
     auto = KernelPolicy.resolve()
@@ -119,7 +119,7 @@ def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
     assert dense.fmt == (PANELS if panel_pack(w) is not None else DENSE)
     if dense.fmt == PANELS:
         assert dense.stack_args()[1:] == (PANELS, 0, PANELS_STACK_MAX_M)
-    torch.testing.assert_close(dense(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dense.run(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
     pw = quantize_weight("int4", w, 32)
     q32 = choose_linear_kernel(None, pw, None, torch.float32, auto)  # fp32 activations keep the row layout
     assert q32.qweight is pw and q32.fmt == LINEAR_FORMATS["int4"]

@@ -7,7 +7,9 @@ caller branches on formats again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,12 +30,15 @@ class LinearKernel:
     panels: torch.Tensor | None = None  # dense: the weight in packed_linear's panels, used at every row count
     onednn: torch.Tensor | None = None  # dense without panels: oneDNN's layout, above SMALL_M rows
     stack_rows: int = 0               # the C++ decoder stack runs steps up to this many rows with it (0: never)
+    # x -> x @ W^T + b through the chosen kernel: bound once, so a call does no dispatch of its own
+    run: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False, compare=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
-            return quant_linear(x, self.qweight, self.bias, self.cpp)
-        assert self.weight is not None
-        return linear(x, self.weight, self.bias, self.cpp, self.onednn, self.panels)
+    def __post_init__(self) -> None:
+        run = functools.partial(quant_linear, pw=self.qweight, bias=self.bias, use_cpp=self.cpp) \
+            if self.qweight is not None else \
+            functools.partial(linear, weight=self.weight, bias=self.bias, small_m_ok=self.cpp, packed=self.onednn,
+                              panels=self.panels)
+        object.__setattr__(self, "run", run)
 
     def stack_args(self) -> LinearArgs | None:
         """The layer as the C++ decoder stack takes it; None where its few-row path is not a C++ kernel."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.kernels.cpu_features import has_avx512, has_avx512_bf16
+
 KERNELS = ("auto", "torch")
 INT4_ACTIVATIONS = ("float", "int8")
 
@@ -26,8 +28,6 @@ class KernelPolicy:
     @property
     def kernel_set(self) -> str:
         """Which kernels run, in a word or two: what the start-up log line and /version say."""
-        from pagoda.kernels.cpu_features import has_avx512, has_avx512_bf16
-
         if not self.cpp:
             return "torch fallback"
         if has_avx512_bf16():

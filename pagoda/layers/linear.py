@@ -43,7 +43,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul is not None:
-            return self.matmul(x)
+            return self.matmul.run(x)
         if self.qweight is not None:  # before prepare(): the reference paths
             return quant_linear(x, self.qweight, self.bias, False)
         return F.linear(x, self.weight, self.bias)

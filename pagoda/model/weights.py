@@ -8,7 +8,7 @@ into their slice of the fused parameter, packed parts are concatenated along out
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +24,12 @@ Weight = torch.Tensor | PackedWeight
 @dataclass(frozen=True)
 class LoadPlan:
     """How a stream loads: `staging`, the dtype float parameters hold while it loads (fp32 where packed
-    layers keep fp32 biases), cast to the compute dtype after; `head_method`, the method a float LM head
-    (tied or not) is quantized with once loaded (None: it stays float)."""
+    layers keep fp32 biases), cast to the compute dtype after; `quantize_head`, what a float LM head (tied or
+    not) becomes once loaded (None: it stays float)."""
 
     weights: Iterable[tuple[str, Weight]]
     staging: torch.dtype
-    head_method: str | None = None
-    group_size: int = 128
+    quantize_head: Callable[[torch.Tensor], PackedWeight] | None = None
 
 
 def fused_target(model: nn.Module, hf_module: str) -> tuple[str, int, int]:
@@ -59,8 +58,6 @@ def is_linear_weight(model: nn.Module, hf_name: str) -> bool:
 def load_weights(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> None:
     """Load `plan`'s stream into `model` (on its device), tie the LM head, quantize it where the plan says,
     and leave every float parameter in `dtype`."""
-    from pagoda.quantization.methods import lm_head_method, quantize_weight  # the head's method only
-
     set_param_dtype(model, plan.staging)
     packed: dict[str, PackedWeight] = {}
 
@@ -78,8 +75,8 @@ def load_weights(model: nn.Module, plan: LoadPlan, dtype: torch.dtype) -> None:
     model.check_weights(loaded)
     tie_lm_head(model)
     head = model.lm_head
-    if plan.head_method is not None and head.qweight is None:
-        head.set_quantized(quantize_weight(lm_head_method(plan.head_method), head.weight.detach(), plan.group_size))
+    if plan.quantize_head is not None and head.qweight is None:
+        head.set_quantized(plan.quantize_head(head.weight.detach()))
     set_param_dtype(model, dtype)
 
 

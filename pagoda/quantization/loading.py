@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 
@@ -19,7 +20,7 @@ import torch
 from pagoda.kernels.quant_linear import PackedWeight
 from pagoda.model.loader import ModelFiles
 from pagoda.model.weights import LoadPlan, Weight
-from pagoda.quantization.methods import ON_THE_FLY, check_method, quantize_weight
+from pagoda.quantization.methods import ON_THE_FLY, check_method, lm_head_method, quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def load_plan(files: ModelFiles, dtype: torch.dtype, method: str | None, group_s
         )
 
         check_checkpoint_config(qc, method, files.source)
-        return LoadPlan(checkpoint_weights(files), torch.float32, "int4", checkpoint_group_size(files))
+        return LoadPlan(checkpoint_weights(files), torch.float32, _head(method or "int4", checkpoint_group_size(files)))
     if method == "gguf":
         if files.kind != "gguf":
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, got the folder {files.source!r}")
@@ -51,13 +52,18 @@ def load_plan(files: ModelFiles, dtype: torch.dtype, method: str | None, group_s
         from pagoda.quantization.gguf_native import gguf_native_weights
 
         return LoadPlan(_int4_keeping_the_grid(gguf_native_weights(files, torch.float32), group_size, is_linear),
-                        torch.float32, method, group_size)
+                        torch.float32, _head(method, group_size))
     if files.kind == "gguf":
         # A quantized GGUF (the default model) is re-quantized from its dequantized float values: the
         # float32 baseline of the benchmark runs exactly those, so the comparison is like for like.
         logger.info("quantization %s: re-quantizing the dequantized weights of %s", method, files.source)
     return LoadPlan(quantize_stream(files.iter_weights(torch.float32), method, group_size, is_linear),
-                    torch.float32, method, group_size)
+                    torch.float32, _head(method, group_size))
+
+
+def _head(method: str, group_size: int) -> Callable[[torch.Tensor], PackedWeight]:
+    """How a float LM head is quantized under `method` (methods.lm_head_method: INT4 methods keep it INT8)."""
+    return functools.partial(quantize_weight, lm_head_method(method), group_size=group_size)
 
 
 def _int4_keeping_the_grid(weights: Iterable[tuple[str, Weight]], group_size: int,

@@ -263,24 +263,22 @@ def _mask_to_grammar(flat: torch.Tensor, seqs: list[Sequence], rows: list[reject
     rejection sampling emits is what decoding without speculation could. A position whose grammar allows
     nothing shortens the proposals so that it is never reached; at the first position, the sequence is
     returned as dead."""
-    index: list[int] = []
+    where: dict[int, tuple[int, int]] = {}  # masked row -> (sequence, position)
     matchers: list[Matcher] = []
-    where: list[tuple[int, int]] = []  # (sequence, position) of each masked row
     for s, (seq, row) in enumerate(zip(seqs, rows)):
         if seq.matcher is None:
             continue
         probe = seq.matcher.fork()
         for i in range(len(row.draft) + 1):
-            index.append(row.params_batch_index + i)
+            where[row.params_batch_index + i] = (s, i)
             matchers.append(probe.fork() if i < len(row.draft) else probe)
-            where.append((s, i))
             if i < len(row.draft) and not probe.accept(row.draft[i]):  # propose() cut what it forbids
                 raise RuntimeError(f"proposal {row.draft[i]} is one its grammar forbids")
-    if not index:
+    if not where:
         return []
     dead: list[Sequence] = []
-    for r in structured.mask_logits(flat, index, matchers):
-        s, i = where[index.index(r)]
+    for r in structured.mask_logits(flat, list(where), matchers):
+        s, i = where[r]
         flat[r] = 0.0  # keeps the sampler's arithmetic finite; nothing is taken from this row
         if i == 0:
             dead.append(seqs[s])
