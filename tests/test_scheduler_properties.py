@@ -60,26 +60,27 @@ class Simulator:
                     "wrong KV served"
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 self.content[(table[pos // bs], pos % bs)] = tuple(seq.token_ids[:pos + 1])
-        self.sched.advance_computed(out)  # the engine's own call after the forward
         assert sum(out.num_scheduled) <= self.sched.config.max_num_batched_tokens
         finished = []
-        for seq in list(out.seqs):
+        for seq, n in zip(list(out.seqs), list(out.num_scheduled)):
             req = seq.request
-            if seq.num_computed_tokens < seq.num_tokens:
+            if seq.num_computed_tokens + n < seq.num_tokens:  # a prompt chunk short of the end: no token yet
                 continue
             group = [seq]
             if seq.index == 0 and len(req.seqs) < req.params.n and seq.num_output_tokens == 0:
                 for _ in range(req.params.n - 1):
                     child = self.new_seq(req, seq.token_ids, len(req.seqs))
-                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_computed_tokens = seq.num_tokens  # as the engine forks: the forward computed it all
                     kv.fork(seq.seq_id, child.seq_id)
                     self.sched.add_running(child)
                     group.append(child)
             for s in group:
                 s.token_ids.append(next_token(s))
                 if s.num_output_tokens >= req.max_tokens:
-                    self.sched.finish(s)
+                    s.finish_reason = "length"
                     finished.append(s)
+        self.sched.update(out, {})  # the engine's own call after the tokens are appended
+        assert all(s.finished for s in finished)
         return finished
 
 

@@ -55,19 +55,25 @@ class SpecSimulator:
                 continue
             k = self.rng.randint(0, min(self.max_k, room))
             seq.spec_token_ids = [self.rng.randint(0, 2) for _ in range(k)]
-            if self.self_draft and k:
-                # Early-exit drafting writes partial KV at positions num_computed .. num_tokens + k - 2.
-                if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, k):
-                    seq.spec_token_ids = []
-                    continue
-                self._copy(self.kv.take_copies())
-                for pos in range(seq.num_computed_tokens, seq.num_tokens + k - 1):
+
+    def draft(self, out) -> None:
+        """Early-exit drafting writes partial KV at positions num_computed .. num_tokens + k - 2, in the slots the
+        scheduler allocated for the verification (Speculator.draft); it may leave proposals unfilled."""
+        self._copy(out.block_copies)
+        out.block_copies = []
+        for seq in out.seqs:
+            if seq.spec_token_ids:
+                del seq.spec_token_ids[self.rng.randint(0, len(seq.spec_token_ids)):]
+                for pos in range(seq.num_computed_tokens, seq.num_tokens + len(seq.spec_token_ids) - 1):
                     self._write(seq, pos, ("draft",))
+        self.sched.cut_proposals(out)
 
     def step(self) -> list[Sequence]:
         kv, bs = self.kv, self.kv.block_size
         self.propose()
         out = self.sched.schedule()
+        if self.self_draft:
+            self.draft(out)
         self._copy(out.block_copies)
         check_pool(kv)
         for seq, n in zip(out.seqs, out.num_scheduled):
@@ -80,7 +86,8 @@ class SpecSimulator:
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 self._write(seq, pos, tuple(full[:pos + 1]))
         finished = []
-        for seq, n in zip(out.seqs, out.num_scheduled):
+        rejected = {}
+        for row, (seq, n) in enumerate(zip(list(out.seqs), list(out.num_scheduled))):
             req = seq.request
             num_spec = seq.num_computed_tokens + n - seq.num_tokens
             if num_spec > 0:  # verification: accept a random prefix, then the target's own token
@@ -88,22 +95,16 @@ class SpecSimulator:
                 self.drafted += num_spec
                 self.accepted += a
                 seq.token_ids += seq.spec_token_ids[:a] + [self.rng.randint(0, 2)]
-                seq.spec_token_ids = []
-                seq.num_computed_tokens = seq.num_tokens - 1
-                kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, req.cache_salt)
-                kv.trim(seq.seq_id, seq.num_computed_tokens)
-                assert len(kv.block_tables[seq.seq_id]) == kv.blocks_needed(seq.num_computed_tokens)
+                rejected[row] = num_spec - a
                 group = [seq]
             else:
-                seq.num_computed_tokens += n
-                kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, req.cache_salt)
-                if seq.num_computed_tokens < seq.num_tokens:
+                if seq.num_computed_tokens + n < seq.num_tokens:
                     continue
                 group = [seq]
                 if seq.index == 0 and len(req.seqs) < req.params.n and seq.num_output_tokens == 0:
                     for _ in range(req.params.n - 1):
                         child = self.new_seq(req, seq.token_ids, len(req.seqs))
-                        child.num_computed_tokens = seq.num_computed_tokens
+                        child.num_computed_tokens = seq.num_tokens
                         kv.fork(seq.seq_id, child.seq_id)
                         self.sched.add_running(child)
                         group.append(child)
@@ -111,8 +112,14 @@ class SpecSimulator:
                     s.token_ids.append(self.rng.randint(0, 2))
             for s in group:
                 if s.num_output_tokens >= req.max_tokens:
-                    self.sched.finish(s)
+                    s.finish_reason = "length"
                     finished.append(s)
+        self.sched.update(out, rejected)  # the engine's call: rolls verified rows back to their accepted tokens
+        for row in rejected:
+            seq = out.seqs[row]
+            if not seq.finished:
+                assert seq.num_computed_tokens == seq.num_tokens - 1
+                assert len(kv.block_tables[seq.seq_id]) == kv.blocks_needed(seq.num_computed_tokens)
         check_pool(kv)
         return finished
 

@@ -9,7 +9,7 @@ runs dry, the newest running sequence is preempted (KV dropped, recomputed later
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
@@ -126,22 +126,31 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def advance_computed(self, sched: SchedulerOutput, skip: Collection[int] = ()) -> None:
-        """After the forward: each scheduled sequence (but the rows in `skip`, and finished ones) has KV for
-        the tokens it was scheduled, and its full blocks join the prefix cache."""
-        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
-            if row in skip or seq.finished:
-                continue
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+    def cut_proposals(self, sched: SchedulerOutput) -> None:
+        """After drafting: a row whose drafter or grammar filled fewer proposals than were scheduled (model
+        drafts are scheduled as placeholders, see Speculator.propose) verifies only those. Its extra slots
+        stay allocated until update() trims the row."""
+        for row, seq in enumerate(sched.seqs):
+            sched.num_scheduled[row] = min(sched.num_scheduled[row],
+                                           seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens)
 
-    def settle_speculation(self, seq: Sequence) -> None:
-        """After a verification appended its tokens: KV is valid for everything but the newest token (the
-        last token fed and the accepted proposals), so the computed count is rolled back to that, full
-        blocks of accepted tokens join the prefix cache, and blocks holding only rejected slots are freed."""
-        seq.num_computed_tokens = seq.num_tokens - 1
-        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
-        self.kv.trim(seq.seq_id, seq.num_computed_tokens)
+    def update(self, sched: SchedulerOutput, num_rejected: Mapping[int, int]) -> None:
+        """After the step's tokens are appended (vLLM v1's update_from_output): each scheduled row has KV
+        for the tokens it was scheduled less those rejected (`num_rejected[row]`: proposals it did not
+        accept, or did not append after a stop), and its full blocks join the prefix cache. A verified
+        row frees blocks that hold only rejected slots. Finished sequences leave and free their blocks."""
+        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
+            if seq.finished:  # failed or aborted during the step
+                continue
+            rejected = num_rejected.get(row)
+            seq.num_computed_tokens += n - (rejected or 0)
+            seq.spec_token_ids = []
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+            if rejected is not None:
+                self.kv.trim(seq.seq_id, seq.num_computed_tokens)
+        for seq in list(self.running):
+            if seq.finish_reason is not None:
+                self.finish(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""

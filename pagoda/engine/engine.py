@@ -15,6 +15,7 @@ import torch
 from pagoda.config import EngineConfig, resolve_dtype
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.emitted import Emitted
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request import Request, Sequence
 from pagoda.engine.stats import EngineStats
@@ -26,7 +27,7 @@ from pagoda.model.tokenizer import iter_strings, load_tokenizer
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
-from pagoda.spec_decode.speculator import Speculator, Verified
+from pagoda.spec_decode.speculator import Speculator
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
 
@@ -155,16 +156,14 @@ class LLMEngine:
             self.scheduler.add(req.seqs[0])
         return failed
 
-    def _advance_grammar(self, seq: Sequence, jump: bool = True) -> None:
-        """Move the matcher past the token just appended; then append what the grammar forces next."""
+    def _advance_grammar(self, seq: Sequence) -> None:
+        """Move the matcher past the token just appended (what it forces next waits for _jump_if_forced)."""
         matcher = seq.matcher
         assert matcher is not None
         if not matcher.accept(seq.token_ids[-1]):
             raise RuntimeError(f"sampled token {seq.token_ids[-1]} that its grammar forbids")
         if seq.finish_reason is None and matcher.is_terminated():
             seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
-        if jump:
-            self._jump_if_forced(seq)
 
     def _jump_if_forced(self, seq: Sequence) -> None:
         if seq.finish_reason is None and seq.matcher is not None and self.config.structured_outputs_jump_forward \
@@ -319,6 +318,9 @@ class LLMEngine:
                              futures.FIRST_COMPLETED)
             return [self._final_output(r) for r in touched.values()]
         self._step_seqs = list(sched.seqs)
+        if self.speculator is not None:  # model drafts fill the slots just allocated
+            self.speculator.draft(sched)
+            self.scheduler.cut_proposals(sched)
         now = time.time()
         for seq in sched.seqs:
             m = seq.request.metrics
@@ -328,8 +330,10 @@ class LLMEngine:
         out = self.runner.execute(sched, self.kv.block_tables)
         t_fwd = time.perf_counter() - t_fwd
         self._record_prompt_logprobs(sched, out.prompt_logits, touched)
-        # Speculative rows advance (and cache blocks) only after acceptance, below (settle_speculation).
-        self.scheduler.advance_computed(sched, skip=out.spec_logits.keys())
+
+        # Sample: one token per sampling row (n > 1 forks siblings onto the same row), and the verified
+        # tokens of every speculative row: one ragged output, appended position by position.
+        emitted: list[Emitted] = []
         rows = [(s, r) for s, r in self._fork_parallel_samples(sched, out.sample_rows) if not s.finished]
         if rows:
             seqs = [s for s, _ in rows]
@@ -337,33 +341,30 @@ class LLMEngine:
             # Forked siblings reuse a row; otherwise rows are in order and the logits need no gather.
             logits = out.sample_logits if row_ids == list(range(len(out.sample_logits))) else \
                 out.sample_logits[torch.tensor(row_ids)]
-            on_error = functools.partial(self._request_failed, touched=touched)
-            for group, sampled in self._sample(seqs, logits, touched):
-                self.outputs.append_tokens(group, sampled, on_error=on_error)
-                for seq in group:
-                    if seq.matcher is not None and not seq.finished:
-                        self._guarded(seq.request, touched, self._advance_grammar, seq)
-                    touched[seq.request.request_id] = seq.request
-                    if seq.finish_reason is not None and not seq.finished:
-                        self.scheduler.finish(seq)
-        num_generated = len(rows)
+            emitted += [Emitted.sampled(group, sampled) for group, sampled in self._sample(seqs, logits, touched)]
         spec_rows = {r: v for r, v in out.spec_logits.items() if not sched.seqs[r].finished}
+        verified = None
         if spec_rows and self.speculator is not None:
             spec_seqs = [sched.seqs[r] for r in spec_rows]
             verified = self.speculator.verify(spec_seqs, list(spec_rows.values()), self.structured)
-            num_emitted = self._append_verified(verified)
-            num_generated += num_emitted
-            for seq in spec_seqs:
-                self.scheduler.settle_speculation(seq)
-            self.speculator.settle(verified, num_emitted)
-            for seq in spec_seqs:
-                if seq in verified.dead:
-                    self._fail_request(seq.request, _DEAD_GRAMMAR.format(seq.num_output_tokens), 400)
-                else:
-                    self._jump_if_forced(seq)
+            for seq in verified.dead:
+                self._fail_request(seq.request, _DEAD_GRAMMAR.format(seq.num_output_tokens), 400)
                 touched[seq.request.request_id] = seq.request
-                if seq.finish_reason is not None and not seq.finished:
-                    self.scheduler.finish(seq)
+            emitted.append(verified.as_emitted())
+        before = {seq: seq.num_tokens for group in emitted for seq in group.seqs}
+        self._append_emitted(emitted, touched)
+        appended = {seq: seq.num_tokens - n for seq, n in before.items()}
+        num_generated = sum(appended.values())
+        for group in emitted:
+            for seq in group.seqs:
+                if seq.matcher is not None and not seq.finished:
+                    self._guarded(seq.request, touched, self._jump_if_forced, seq)
+        # What a verified row scheduled but did not append (rejected proposals, or tokens after a stop) has no
+        # valid KV: the scheduler rolls it back.
+        rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in spec_rows}
+        self.scheduler.update(sched, rejected)
+        if verified is not None and self.speculator is not None:
+            self.speculator.settle(verified, sum(appended.get(s, 0) for s in verified.seqs))
         self.stats.num_scheduled_tokens += sched.total_tokens
         self.stats.num_generated_tokens += num_generated
         if self.speculator is not None:
@@ -376,22 +377,23 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return results
 
-    def _append_verified(self, verified: Verified) -> int:
-        """Append each verified sequence's emitted tokens, position by position across sequences so that a
-        stop truncates what follows it; speculative tokens advance the grammar one by one (jump-forward waits
-        until their KV is settled). Returns how many were appended."""
-        num = 0
-        for j in range(max(len(e) for e in verified.emitted)):
-            got = verified.tokens_at(j, lambda seq: seq.finish_reason is None)
-            if got is None:
-                break
-            group, out = got
-            self.outputs.append_tokens(group, out)
-            for seq in group:
-                if seq.matcher is not None:
-                    self._advance_grammar(seq, jump=False)
-            num += len(group)
-        return num
+    def _append_emitted(self, emitted: list[Emitted], touched: dict[str, Request]) -> None:
+        """Append every sequence's emitted tokens, position by position across sequences, so that a stop
+        truncates what follows it; each token advances its grammar (jump-forward waits until all are in)."""
+        on_error = functools.partial(self._request_failed, touched=touched)
+        for group in emitted:
+            for seq in group.seqs:
+                touched[seq.request.request_id] = seq.request
+            for j in range(max((len(t) for t in group.token_ids), default=0)):
+                idx = [i for i, (seq, t) in enumerate(zip(group.seqs, group.token_ids))
+                       if j < len(t) and seq.finish_reason is None and not seq.finished]
+                if not idx:
+                    break
+                seqs = [group.seqs[i] for i in idx]
+                self.outputs.append_tokens(seqs, group.output_at(idx, j), on_error=on_error)
+                for seq in seqs:
+                    if seq.matcher is not None and not seq.finished:
+                        self._guarded(seq.request, touched, self._advance_grammar, seq)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 touched: dict[str, Request]) -> list[tuple[list[Sequence], SamplerOutput]]:
@@ -472,7 +474,7 @@ class LLMEngine:
                 for _ in range(req.params.n - 1):
                     child = self._new_sequence(req, list(seq.token_ids))
                     child.matcher = seq.matcher.fork() if seq.matcher is not None else None
-                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_computed_tokens = seq.num_tokens  # the forward computed the whole prompt
                     self.kv.fork(seq.seq_id, child.seq_id)
                     self.scheduler.add_running(child)
                     rows.append((child, logit_row))

@@ -45,6 +45,16 @@ class SamplerOutput:
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
 
+    def select(self, rows: list[int]) -> "SamplerOutput":
+        """The output of the given rows only, in that order (itself when that is every row)."""
+        if rows == list(range(len(self.token_ids))):
+            return self
+
+        def pick(values: list | None) -> list | None:
+            return None if values is None else [values[r] for r in rows]
+        return SamplerOutput([self.token_ids[r] for r in rows], pick(self.sampled_logprobs), pick(self.sampled_ranks),
+                             pick(self.topk_ids), pick(self.topk_logprobs))
+
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """OpenAI presence/frequency penalties on output tokens; CTRL-style repetition penalty on all seen."""

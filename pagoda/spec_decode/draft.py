@@ -2,9 +2,10 @@
 layers (self-speculative early exit, as in LayerSkip and Draft & Verify).
 
 Both run k batched single-token passes per step after one pass that brings the draft's KV up to date.
-The self draft writes its layers' KV into the target's own pool at positions >= num_computed_tokens: a
-layer's KV at a position depends only on the tokens up to it, and the target's verification pass rewrites
-every one of those positions (all layers) before anything reads them, so nothing drafted leaks into output.
+The self draft writes its layers' KV into the target's own pool at positions >= num_computed_tokens, in the
+slots the scheduler allocated for the verification that follows: a layer's KV at a position depends only on
+the tokens up to it, and the target's verification pass rewrites every one of those positions (all layers)
+before anything reads them, so nothing drafted leaks into output.
 """
 from __future__ import annotations
 
@@ -58,13 +59,14 @@ class ModelDraftProposer:
             self.num_computed[seq.seq_id] = min(self.num_computed[seq.seq_id], seq.num_computed_tokens)
 
     def _reserve(self, seq: Sequence, k: int) -> tuple[int, list[int]] | None:
-        """Slots for the draft's writes; (first position to feed, block table), or None if the pool is short."""
+        """Slots for the draft's writes; (first position to feed, block table), or None if the pool is short.
+        A self draft writes into the slots the scheduler allocated for this step's verification (positions
+        num_computed_tokens = n - 1 .. n + k - 1 cover its n - 1 .. n + k - 2)."""
         n = seq.num_tokens
         if self.draft_kv is None:
-            start = seq.num_computed_tokens  # = n - 1
-            if not self.target_kv.allocate_slots(seq.seq_id, start, n - start + k - 1):
-                return None
-            return start, self.target_kv.block_tables[seq.seq_id]
+            table = self.target_kv.block_tables[seq.seq_id]
+            assert len(table) * self.target_kv.block_size >= n + k - 1, "the scheduler allocates the draft's slots"
+            return seq.num_computed_tokens, table
         # Draft KV past the target's computed tokens may hold proposals never verified (the budget skipped them).
         start = min(self.num_computed.get(seq.seq_id, 0), seq.num_computed_tokens)
         if not self.draft_kv.allocate_slots(seq.seq_id, start, n - start + k - 1):
@@ -92,9 +94,8 @@ class ModelDraftProposer:
             rows.append((seq.token_ids[start:], start, table))
         if not live:
             return drafts, [None] * len(seqs)
-        kv = self.draft_kv if self.draft_kv is not None else self.target_kv
-        # Copy-on-write copies a shared block before the draft writes into it (n > 1 siblings).
-        self.runner.copy_blocks(kv.take_copies())
+        if self.draft_kv is not None:  # copy-on-write copies a shared block before the draft writes into it
+            self.runner.copy_blocks(self.draft_kv.take_copies())
         depth = 0
         while True:
             logits = self.runner.forward_rows(rows, self.num_layers)

@@ -1,25 +1,28 @@
 """Speculator: the proposer and verifier beside the model runner (it takes the runner, the KV manager and
 the tokenizer, not the engine).
 
-propose()  before scheduling: choose k per decoding sequence and fill seq.spec_token_ids (the scheduler
-           counts them in its token budget and allocates their KV slots; the model runner returns logits
-           at the last token and every proposal).
-verify()   after the forward: rejection-sample each sequence's positions into its emitted tokens (a ragged
-           list: the accepted proposals and the target's own). The engine appends them through the stop
-           rules and the scheduler rolls KV back to the accepted tokens (Scheduler.settle_speculation);
-           then settle() records the acceptance and rolls the draft back.
+propose()  before scheduling: choose k per decoding sequence and fill seq.spec_token_ids, with the n-gram
+           proposals themselves or, for a model drafter, k placeholders. The scheduler counts them in its
+           token budget and allocates their KV slots (it is the only one that allocates in the target pool).
+draft()    after scheduling: a model drafter writes its proposals over the placeholders the budget kept (a
+           self draft writes its layers' KV into the slots just allocated); Scheduler.cut_proposals then
+           drops what the drafter or the grammar left unfilled.
+verify()   after the forward: rejection-sample each sequence's positions into the tokens it emits (a ragged
+           Emitted: the accepted proposals and the target's own). The engine appends them through the stop
+           rules and Scheduler.update rolls back what was rejected; then settle() records the acceptance and
+           rolls the draft back.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.scheduler import Scheduler
+from pagoda.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.emitted import Emitted
 from pagoda.engine.request import Sequence
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.sampler import SamplerOutput, SamplingBatch, sampler_output
@@ -73,6 +76,11 @@ def _calibrate(runner: ModelRunner, num_blocks: int, num_layers: int | None,
     return best[0], best[1]
 
 
+# Stands for a model draft's token in seq.spec_token_ids between propose() and draft(): the scheduler only
+# counts proposals, and the drafter writes them once their slots are allocated.
+DRAFT_PLACEHOLDER = -1
+
+
 @dataclass
 class Verified:
     """What verification decided, for the engine to apply: per sequence, the tokens it emits."""
@@ -84,19 +92,22 @@ class Verified:
     max_logprobs: int
     dead: list[Sequence]           # grammar allows no token at all: they emit nothing (the engine fails them)
 
-    def tokens_at(self, j: int, live: Callable[[Sequence], bool]) -> tuple[list[Sequence], SamplerOutput] | None:
-        """Token j of every sequence that emits one and is `live`, as one sampler output (None: none left)."""
-        group = [(seq, e[j], first + j) for seq, e, first in zip(self.seqs, self.emitted, self.first_row)
-                 if j < len(e) and seq not in self.dead and live(seq)]
-        if not group:
-            return None
-        lp = None if self.logprobs is None else self.logprobs[torch.tensor([g[2] for g in group])]
-        return [g[0] for g in group], sampler_output(torch.tensor([g[1] for g in group]), lp, self.max_logprobs)
+    def as_emitted(self) -> Emitted:
+        """The live sequences' tokens as the step's ragged output."""
+        live = [i for i, seq in enumerate(self.seqs) if seq not in self.dead]
+        rows = [self.first_row[i] for i in live]
+
+        def output_at(idx: list[int], j: int) -> SamplerOutput:
+            tokens = torch.tensor([self.emitted[live[i]][j] for i in idx])
+            lp = None if self.logprobs is None else self.logprobs[torch.tensor([rows[i] + j for i in idx])]
+            return sampler_output(tokens, lp, self.max_logprobs)
+        return Emitted([self.seqs[i] for i in live], [self.emitted[i] for i in live], output_at)
 
 
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
+        self.target = target
         self.stats = SpecDecodeStats()
         self.ngram: NgramProposer | None = None
         self.drafter: ModelDraftProposer | None = None
@@ -159,10 +170,23 @@ class Speculator:
             for seq, p, k in zip(cands, proposals, ks):
                 seq.spec_token_ids = _grammar_prefix(seq, p[:k])
             return
-        assert self.drafter is not None
         ks = self.policy.choose([s.seq_id for s in cands], max_ks, other) if self.cfg.adaptive else max_ks
-        drafts, probs = self.drafter.propose(cands, ks)
-        for seq, d, q in zip(cands, drafts, probs):
+        for seq, k in zip(cands, ks):
+            seq.spec_token_ids = [DRAFT_PLACEHOLDER] * k
+
+    def draft(self, sched: SchedulerOutput) -> None:
+        """A model drafter writes its proposals over the placeholders of the scheduled rows (as many as the
+        budget kept), cut to what each grammar allows; the n-gram proposer has nothing left to do."""
+        if self.drafter is None:
+            return
+        rows = [s for s in sched.seqs if s.spec_token_ids]
+        if not rows:
+            return
+        if self.drafter.draft_kv is None:  # a self draft reads the target's pool: copy-on-write copies first
+            self.target.copy_blocks(sched.block_copies)
+            sched.block_copies = []
+        drafts, probs = self.drafter.propose(rows, [len(s.spec_token_ids) for s in rows])
+        for seq, d, q in zip(rows, drafts, probs):
             seq.spec_token_ids = _grammar_prefix(seq, d)
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
@@ -204,8 +228,8 @@ class Speculator:
                         raw_logprobs, batch.max_logprobs, dead)
 
     def settle(self, verified: Verified, num_emitted: int) -> None:
-        """After the emitted tokens are appended (`num_emitted` of them, after stops) and KV is rolled back:
-        count the acceptance, let the adaptive policy learn from it, and roll the draft back."""
+        """After the emitted tokens are appended (`num_emitted` of them, after stops) and Scheduler.update
+        rolled KV back: count the acceptance, let the adaptive policy learn from it, and roll the draft back."""
         st = self.stats
         st.num_emitted_tokens += num_emitted
         for seq, e, k in zip(verified.seqs, verified.emitted, verified.num_proposed):
@@ -214,7 +238,6 @@ class Speculator:
             st.num_draft_tokens += k
             st.num_accepted_tokens += accepted
             self.policy.update(seq.seq_id, k, accepted)
-            seq.spec_token_ids = []
             if self.drafter is not None:
                 self.drafter.rollback(seq)
 
