@@ -59,7 +59,7 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         if panels is not None:
             out[name] = lambda xx=xx, ww=ww, panels=panels: linear(xx, ww, None, small_m_ok=False, panels=panels)
     if n % 16 == 0 and torch.ops.pagoda.quant_panels_supported(k, p4.group_size):  # bf16 INT4/INT8 layers
-        p4p, p8p, pfp = p4.panels16(), p8.int8_panels(), pf.fp8_panels()
+        p4p, p8p, pfp = p4.panels16(), p8.panels16(), pf.panels16()
         out["int4 panels"] = lambda: quant_linear(xb, p4p, None, use_cpp=True)
         out["int8 panels"] = lambda: quant_linear(xb, p8p, None, use_cpp=True)
         out["fp8 panels"] = lambda: quant_linear(xb, pfp, None, use_cpp=True)
@@ -103,7 +103,7 @@ def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[s
 def _quant_kernels(ws: list[PackedWeight]) -> dict[str, LayerCall]:
     """Quantized layers and LM head, bf16 activations: the row-major kernels (streaming up to CPP_MAX_M
     rows, dequantize-then-oneDNN above) first; then the panels."""
-    panels = [{"int4": pw.panels16, "int8": pw.int8_panels, "fp8": pw.fp8_panels}[pw.fmt]() for pw in ws]
+    panels = [pw.panels16() for pw in ws]
     return {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True),
             "panels": lambda x, i: quant_linear(x, panels[i], None, use_cpp=True)}
 

@@ -97,6 +97,14 @@ def test_missing_venv_gives_a_clear_error_with_the_recipe(tmp_path: Path) -> Non
     assert isinstance(e.value, FileNotFoundError)  # the CLI prints it as `error: ...`, exit 2
 
 
+def test_peer_python_is_the_install_scripts_venv_in_the_cache_folder(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found where scripts/install-peers.sh puts it, or through a flag: no environment variable of its own."""
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGODA_VLLM_PYTHON", str(tmp_path / "elsewhere"))  # the old override, now ignored
+    assert vllm_peer.peer_python("vllm") == str(tmp_path / "peers" / "vllm" / "bin" / "python")
+
+
 def test_bench_throughput_compare_vllm_fails_fast_without_the_venv(tmp_path: Path, capsys) -> None:
     from pagoda.entrypoints.cli import main
 

@@ -32,8 +32,9 @@ def test_a8_rows_load_their_models_with_int8_activations(tiny_llama, default_ggu
     llm = _load(parse_row("int4+a8", tiny_llama), argparse.Namespace(concurrency=4, seed=0),
                 tokenizer=default_gguf, kv_cache_memory="16MiB")
     assert llm.engine.config.int4_activations == "int8"
-    fmt = llm.engine.runner.model.layers[0].mlp.gate_up_proj.qweight.fmt
-    assert fmt == ("int4x8" if kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64) else "int4")
+    pw = llm.engine.runner.model.layers[0].mlp.gate_up_proj.qweight
+    vnni = kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)
+    assert (pw.format, pw.layout) == ("int4", "interleave8" if vnni else "rows")
 
 
 def test_weight_bytes_counts_each_storage_once_and_skips_caches():

@@ -9,7 +9,6 @@ from pagoda import LLM, SamplingParams
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.cpu_features import has_avx512
 from pagoda.kernels.linear import PANELS_STACK_MAX_M
-from pagoda.kernels.quant_linear import PANEL_FORMATS
 
 pytestmark = pytest.mark.skipif(not (kernel_available() and has_avx512()),
                                 reason="the stack needs the C++ streaming kernels (AVX-512)")
@@ -50,14 +49,14 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
               max_num_seqs=4, **kw)
     net = llm.engine.runner.model
     if int8_activations and torch.ops.pagoda.int4x8_supported(64, 64):
-        assert net.layers[0].mlp.down_proj.qweight.fmt == "int4x8"
+        assert net.layers[0].mlp.down_proj.qweight.layout == "interleave8"
     stack = net.stack
     down = net.layers[0].mlp.down_proj
     if quantization == "int4" and dtype == "bfloat16" and not int8_activations \
             and torch.ops.pagoda.quant_panels_supported(64, 64):
-        assert down.qweight.fmt == "int4p"
+        assert (down.qweight.format, down.qweight.layout) == ("int4", "panels16")
     # Panel-packed weights, dense or INT4: one kernel at every row count, so every step, prefill too.
-    panels = down.matmul.panels is not None or (down.qweight is not None and down.qweight.fmt in PANEL_FORMATS)
+    panels = down.matmul.panels is not None or (down.qweight is not None and down.qweight.layout == "panels16")
     assert stack is not None and stack.max_rows == (PANELS_STACK_MAX_M if panels else 16 if quantization else 8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     fused, ops = _run(llm, params)

@@ -110,20 +110,20 @@ def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
 
     w, x = torch.randn(64, 128), torch.randn(3, 128)
     torch_only = choose_linear_kernel(w, None, None, torch.float32, TORCH_ONLY)
-    assert (torch_only.fmt, torch_only.cpp, torch_only.panels, torch_only.stack_args()) == (DENSE, False, None, None)
+    assert (torch_only.code, torch_only.cpp, torch_only.panels, torch_only.stack_args()) == (DENSE, False, None, None)
     torch.testing.assert_close(torch_only.run(x), F.linear(x, w))
     if not kernel_available():
         return
     auto = KernelPolicy.resolve()
     dense = choose_linear_kernel(w, None, None, torch.float32, auto)
-    assert dense.fmt == (PANELS if panel_pack(w) is not None else DENSE)
-    if dense.fmt == PANELS:
+    assert dense.code == (PANELS if panel_pack(w) is not None else DENSE)
+    if dense.code == PANELS:
         assert dense.stack_args()[1:] == (PANELS, 0, PANELS_STACK_MAX_M)
     torch.testing.assert_close(dense.run(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
     pw = quantize_weight("int4", w, 32)
     q32 = choose_linear_kernel(None, pw, None, torch.float32, auto)  # fp32 activations keep the row layout
-    assert q32.qweight is pw and q32.fmt == LINEAR_FORMATS["int4"]
+    assert q32.qweight is pw and q32.code == LINEAR_FORMATS["int4"]
     assert q32.stack_rows == (CPP_MAX_M if cpp_supported(pw) else 0)
     q16 = choose_linear_kernel(None, pw, None, torch.bfloat16, auto)
-    if q16.qweight.fmt == "int4p":  # the panel kernel serves every row count
-        assert q16.fmt == LINEAR_FORMATS["int4p"] and q16.stack_rows == PANELS_STACK_MAX_M
+    if q16.qweight.layout == "panels16":  # the panel kernel serves every row count
+        assert q16.code == LINEAR_FORMATS["int4p"] and q16.stack_rows == PANELS_STACK_MAX_M

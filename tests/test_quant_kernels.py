@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.quant_linear import CPP_MAX_M, FORMATS, PackedWeight, cpp_supported, quant_linear
+from pagoda.kernels.quant_linear import CPP_MAX_M, PackedWeight, cpp_supported, quant_linear
 from pagoda.quantization.methods import quantize_weight
 
 SHAPES = [(576, 1536, False), (64, 7, True), (96, 33, True), (1536, 65, False), (50, 9, True)]
@@ -90,7 +90,7 @@ def test_fp8_kernel_decodes_every_code():
 def test_cpp_dequantize_equals_the_reference(method, group, dtype):
     """The many-row path's weight (C++ dequantize, k order restored from INT4's nibble split)."""
     pw, _ = _case(method, 384, 37, False, group)
-    w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, FORMATS[pw.fmt], pw.group_size,
+    w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, pw.code, pw.group_size,
                                           pw.in_features, dtype)
     assert w.dtype == dtype and w.shape == (37, 384)
     ref = pw.dequantize(torch.float32)
@@ -135,7 +135,7 @@ def _int8_activation_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 def test_int4x8_kernel_computes_int8_activations_times_int4_weights(k, n, group, m):
     pw, b = _case("int4", k, n, True, group, seed=m)
     il = pw.interleave8()
-    assert il.fmt == "int4x8" and il.out_features == n
+    assert (il.format, il.layout) == ("int4", "interleave8") and il.out_features == n
     x = torch.randn(m, k) * (0.5 + 4 * torch.rand(1, k))  # uneven columns: the per-32 scales differ
     y = quant_linear(x, il, b, use_cpp=True)
     ref = _int8_activation_ref(x, pw) + b.double()
@@ -160,7 +160,7 @@ def test_int4x8_layout_round_trips_and_dequantizes_alike(dtype):
         assert torch.equal(got, want)
     assert torch.equal(il.dequantize(), pw.dequantize())
     assert torch.equal(il.rows(torch.tensor([5, 0])).dequantize(), pw.dequantize()[[5, 0]])
-    w = torch.ops.pagoda.quant_dequantize(il.data, il.scales, il.offsets, FORMATS["int4x8"], 64, 640, dtype)
+    w = torch.ops.pagoda.quant_dequantize(il.data, il.scales, il.offsets, il.code, 64, 640, dtype)
     assert torch.equal(w, torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, 0, 64, 640, dtype))
     x = torch.randn(CPP_MAX_M + 3, 640).to(dtype)  # many rows: the dequantize-then-GEMM path
     torch.testing.assert_close(quant_linear(x, il, None), quant_linear(x, pw, None))
@@ -174,16 +174,20 @@ def test_int4_activation_mode_picks_the_layout():
     # Default: float activations; fp32 keeps the row layout, bf16 takes the panels where the build has them.
     assert kernel_layout(pw, f32) is pw
     panels = cpp_supported(pw) and torch.ops.pagoda.quant_panels_supported(576, 64)
-    assert kernel_layout(pw, bf16).fmt == ("int4p" if panels else "int4")
+    p4 = kernel_layout(pw, bf16)
+    assert (p4.format, p4.layout) == ("int4", "panels16" if panels else "rows")
     odd_rows, _ = _case("int4", 576, 41, False, 64)
     assert kernel_layout(odd_rows, bf16) is odd_rows  # panels of 16 columns
     q8, _ = _case("int8", 576, 48, False)  # INT8 (the INT4 methods' LM head) takes the panels as two halves
-    assert kernel_layout(q8, f32) is q8 and kernel_layout(q8, bf16).fmt == ("int8p" if panels else "int8")
+    p8 = kernel_layout(q8, bf16)
+    assert kernel_layout(q8, f32) is q8 and (p8.format, p8.layout) == ("int8", "panels16" if panels else "rows")
     f8, _ = _case("fp8", 576, 48, False)
-    assert kernel_layout(f8, f32) is f8 and kernel_layout(f8, bf16).fmt == ("fp8p" if panels else "fp8")
+    pf = kernel_layout(f8, bf16)
+    assert kernel_layout(f8, f32) is f8 and (pf.format, pf.layout) == ("fp8", "panels16" if panels else "rows")
     vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
     for dtype in (f32, bf16):
-        assert kernel_layout(pw, dtype, "int8").fmt == ("int4x8" if vnni else "int4")
+        il = kernel_layout(pw, dtype, "int8")
+        assert (il.format, il.layout) == ("int4", "interleave8" if vnni else "rows")
     assert kernel_layout(odd_rows, bf16, "int8") is odd_rows  # blocks of 8 rows
     int8, _ = _case("int8", 576, 40, False)
     assert kernel_layout(int8, bf16, "int8") is int8
@@ -214,8 +218,8 @@ def test_panel_kernel_matches_the_dequantized_reference(k, n, group, m, method, 
         pw = PackedWeight("fp8", torch.where(finite, codes, 0).contiguous(), pw.scales, None, k, k)
     elif not offsets:
         pw = PackedWeight("int4", pw.data, pw.scales, None, group, k)
-    p = {"int4": pw.panels16, "int8": pw.int8_panels, "fp8": pw.fp8_panels}[method]()
-    assert p.fmt == method + "p" and p.out_features == n and cpp_supported(p)
+    p = pw.panels16()
+    assert (p.format, p.layout) == (method, "panels16") and p.out_features == n and cpp_supported(p)
     x = torch.randn(m, k).bfloat16()
     out = quant_linear(x, p, b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
@@ -240,23 +244,25 @@ def test_panel_layouts_round_trip():
     # fp32 activations (not the panel kernel's) still get the right product, through the reference.
     x = torch.randn(3, 640)
     torch.testing.assert_close(quant_linear(x, p, None), _ref(x, pw, None), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="int4p"):
+    with pytest.raises(ValueError, match="panels16"):
         _case("int4", 640, 40, False, 64)[0].panels16()
     q8, _ = _case("int8", 640, 48, False)
-    p8 = q8.int8_panels()
+    p8 = q8.panels16()
     assert p8.data.shape == (3, 160, 64) and p8.in_features == 640
     back = p8.row_major()
-    assert back.fmt == "int8" and torch.equal(back.data, q8.data) and torch.equal(back.scales, q8.scales)
+    assert (back.format, back.layout) == ("int8", "rows")
+    assert torch.equal(back.data, q8.data) and torch.equal(back.scales, q8.scales)
     assert back.offsets is None and torch.equal(p8.dequantize(), q8.dequantize())
     f8, _ = _case("fp8", 64, 48, False)
-    pf = f8.fp8_panels()
+    pf = f8.panels16()
     assert pf.data.shape == (3, 8, 128) and torch.equal(pf.row_major().data, f8.data)
     assert torch.equal(pf.dequantize(), f8.dequantize())
     # rows() gathers from the panels directly (a GGUF embedding shares its tied head's int8p table).
     idx = torch.tensor([47, 0, 16, 5, 5])
     for panels, rm in ((p8, q8), (p, pw), (pf, f8)):
         got, want = panels.rows(idx), rm.rows(idx)
-        assert got.fmt == rm.fmt and torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
+        assert (got.format, got.layout) == (rm.format, "rows")
+        assert torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
 
 
 @_PANELS
@@ -276,10 +282,14 @@ def test_quant_model_sweep_times_panels_against_the_row_major_kernels():
 
 
 def test_linear_formats_come_from_the_header_cpp_compiles():
-    """One table (cpu/linear_formats.h): Python's codes are the enum the decoder stack and kernels dispatch on."""
-    from pagoda.kernels.linear_formats import _HEADER, LINEAR_FORMATS, PANEL_FORMATS, _read
+    """One table (cpu/linear_formats.h): Python's codes are the enum the decoder stack and kernels dispatch on;
+    each quantized code is one (format, layout) and every PackedWeight has one."""
+    from pagoda.kernels.linear_formats import _HEADER, FIRST_PANEL_CODE, LINEAR_FORMATS, QUANT_CODES, _read
 
     assert _read(_HEADER) == LINEAR_FORMATS and len(set(LINEAR_FORMATS.values())) == len(LINEAR_FORMATS)
     assert LINEAR_FORMATS["dense"] < 0 and LINEAR_FORMATS["panels"] < 0
-    assert FORMATS == {n: c for n, c in LINEAR_FORMATS.items() if c >= 0}
-    assert [FORMATS[n] - FORMATS["int4p"] for n in PANEL_FORMATS] == [0, 1, 2]  # quant_panel_linear's kinds
+    assert sorted(QUANT_CODES.values()) == sorted(c for c in LINEAR_FORMATS.values() if c >= 0)
+    kinds = [QUANT_CODES[f, "panels16"] - FIRST_PANEL_CODE for f in ("int4", "int8", "fp8")]
+    assert kinds == [0, 1, 2]  # quant_panel_linear's kinds
+    with pytest.raises(ValueError, match="interleave8"):
+        PackedWeight("int8", torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 64, 64, "interleave8")

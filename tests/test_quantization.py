@@ -129,10 +129,11 @@ def test_gguf_native_model_matches_float_path(float_tokens):
     llm = LLM(quantization="gguf", dtype="float32", kv_cache_memory="64MiB")
     model = llm.engine.runner.model
     # Kept packed: Q4_1 linears as int4 groups of 32, the Q8_0 embedding shared with the tied lm_head.
-    assert model.layers[0].mlp.gate_up_proj.qweight.fmt == "int4"
+    gate_up = model.layers[0].mlp.gate_up_proj.qweight
+    assert (gate_up.format, gate_up.layout) == ("int4", "rows")
     assert model.layers[0].mlp.gate_up_proj.qweight.group_size == 32
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.lm_head.qweight is model.embed_tokens.pw
-    assert model.lm_head.qweight.fmt == "int8"
+    assert (model.lm_head.qweight.format, model.lm_head.qweight.layout) == ("int8", "rows")
     # Same effective weights in fp32 on both sides (logits differ by ~1e-6, summation order only):
     # measured identical greedy outputs on all 10 chat prompts tried, including these.
     assert _greedy(llm) == float_tokens
@@ -146,9 +147,9 @@ def test_int4_on_a_q4_gguf_keeps_the_files_grid():
     for a, b in ((int4.layers[3].mlp.down_proj, native.layers[3].mlp.down_proj),
                  (int4.layers[0].self_attn.qkv_proj, native.layers[0].self_attn.qkv_proj)):
         qa, qb = a.qweight, b.qweight
-        assert (qa.fmt, qa.group_size) == (qb.fmt, qb.group_size) == ("int4", 32)
+        assert (qa.format, qa.layout, qa.group_size) == (qb.format, qb.layout, qb.group_size) == ("int4", "rows", 32)
         assert all(torch.equal(getattr(qa, f), getattr(qb, f)) for f in ("data", "scales", "offsets"))
-    assert isinstance(int4.embed_tokens, QuantEmbedding) and int4.lm_head.qweight.fmt == "int8"  # the Q8_0 table
+    assert isinstance(int4.embed_tokens, QuantEmbedding) and int4.lm_head.qweight.format == "int8"  # the Q8_0 table
     bf16 = LLM(quantization="int4", dtype="bfloat16", kv_cache_memory="64MiB")
     assert bf16.engine.runner.model.embed_tokens.dtype == torch.bfloat16  # the table dequantizes to the compute dtype
     out = bf16.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
@@ -160,7 +161,8 @@ def test_int4_on_a_q4_gguf_keeps_the_files_grid():
 def test_gguf_native_bf16_runs_the_panel_kernel_and_matches_bf16_float():
     llm = LLM(quantization="gguf", dtype="bfloat16", kv_cache_memory="64MiB")
     model = llm.engine.runner.model
-    assert model.layers[0].mlp.gate_up_proj.qweight.fmt == "int4p" and model.lm_head.qweight.fmt == "int8p"
+    gate_up, head = model.layers[0].mlp.gate_up_proj.qweight, model.lm_head.qweight
+    assert (gate_up.format, gate_up.layout, head.format, head.layout) == ("int4", "panels16", "int8", "panels16")
     # Still one Q8_0 table: the embedding gathers its rows from the head's panel layout.
     assert model.embed_tokens.pw is model.lm_head.qweight
     ids = torch.tensor([0, 5, 49151, 1234, 5])
@@ -183,8 +185,8 @@ def test_gguf_native_bf16_runs_the_panel_kernel_and_matches_bf16_float():
 
 def test_int8_greedy_matches_float(float_tokens):
     llm = LLM(quantization="int8", dtype="float32", kv_cache_memory="64MiB")
-    assert all(m.qweight is not None and m.qweight.fmt == "int8" for m in llm.engine.runner.model.modules()
-               if isinstance(m, Linear))
+    assert all(m.qweight is not None and (m.qweight.format, m.qweight.layout) == ("int8", "rows")
+               for m in llm.engine.runner.model.modules() if isinstance(m, Linear))
     quant = _greedy(llm)
     # N = 16 tokens (or the whole float output where it stops sooner). Measured on these prompts
     # (int8 weights and int8 lm_head vs the fp32 float model, both deterministic): 5 of 6 identical

@@ -19,10 +19,10 @@ from typing import Any
 
 from pagoda.bench.vllm_peer import PeerFailed, PeerUnavailable, parse_result, peer_python
 
-DEFAULT_LLAMA_PYTHON = peer_python("llama", "PAGODA_LLAMA_PYTHON")
+DEFAULT_LLAMA_PYTHON = peer_python("llama")
 SCRIPT = Path(__file__).resolve().parent / "peer_scripts" / "llama_cpp_batched.py"
 INSTALL_HINT = ("install llama-cpp-python in its own venv: bash scripts/install-peers.sh llama "
-                "(docs/benchmarks.md, 'Peers'); or set PAGODA_LLAMA_PYTHON")
+                "(docs/benchmarks.md, 'Peers'); or pass --llama-python PATH")
 
 
 def run_llama_cpp(gguf: str, *, python: str = DEFAULT_LLAMA_PYTHON, threads: int = 2,

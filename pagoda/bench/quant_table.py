@@ -81,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="float32 bfloat16 int8 int4 fp8 gguf, or NAME=CHECKPOINT_DIR for a saved checkpoint; "
                         "NAME+a8 (int4+a8, gguf+a8, int4-awq+a8=DIR) with int4_activations=int8")
     p.add_argument("--compare", nargs="*", choices=["llama-cpp"], default=[])
-    p.add_argument("--llama-python", default=None, help="python of the llama-cpp-python venv")
+    p.add_argument("--llama-python", default=None, metavar="PATH",
+                   help="python of the llama-cpp-python venv, for --compare llama-cpp (default: the venv "
+                        "scripts/install-peers.sh llama makes in the cache folder, ~/.cache/pagoda/peers/llama)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="perplexity text (default: GPL-3)")
     p.add_argument("--text-tokens", type=int, default=0, help="score only the first N tokens (default: all)")
     p.add_argument("--max-length", type=int, default=512)

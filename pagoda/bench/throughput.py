@@ -89,8 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(no-prefix-cache: pagoda itself with prefix caching off; no-spec: pagoda without "
                         "--speculative-config, i.e. the speedup of speculation)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
-                   help="python of the venv with vLLM's CPU build, for --compare vllm (default: $PAGODA_VLLM_PYTHON "
-                        "or the venv scripts/install-peers.sh vllm makes in ~/.cache/pagoda/peers)")
+                   help="python of the venv with vLLM's CPU build, for --compare vllm (default: the venv "
+                        "scripts/install-peers.sh vllm makes in the cache folder, ~/.cache/pagoda/peers/vllm)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the machine's matmul rate and bandwidth")
     p.add_argument("--batch1-decode", action="store_true",
                    help=f"also measure batch-1 decode ({BATCH1_PROMPT_LEN}-token prompt, {BATCH1_OUTPUT_LEN} tokens)")

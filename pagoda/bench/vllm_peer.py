@@ -22,14 +22,15 @@ from typing import Any
 from pagoda.bench.datasets import BenchRequest
 
 
-def peer_python(name: str, env_var: str) -> str:
-    """The python of peer `name`: $env_var, else the venv scripts/install-peers.sh makes in the cache folder."""
+def peer_python(name: str) -> str:
+    """The python of the venv `bash scripts/install-peers.sh NAME` makes in the cache folder: where the bench
+    looks unless its flag (--vllm-python, --llama-python) names another."""
     from pagoda.config import cache_dir
 
-    return os.environ.get(env_var) or os.path.join(cache_dir(), "peers", name, "bin", "python")
+    return os.path.join(cache_dir(), "peers", name, "bin", "python")
 
 
-DEFAULT_VLLM_PYTHON = peer_python("vllm", "PAGODA_VLLM_PYTHON")
+DEFAULT_VLLM_PYTHON = peer_python("vllm")
 SCRIPT = Path(__file__).resolve().parent / "peer_scripts" / "vllm_offline.py"
 RESULT_PREFIX = "PAGODA_PEER_RESULT "
 WORKLOAD_VERSION = 1
@@ -38,7 +39,7 @@ WORKLOAD_VERSION = 1
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 DEFAULT_TIMEOUT_S = 1800.0
 INSTALL_HINT = ("install vLLM's CPU build in its own venv: bash scripts/install-peers.sh vllm "
-                "(docs/benchmarks.md, 'Peers'); or pass --vllm-python PATH (or set PAGODA_VLLM_PYTHON)")
+                "(docs/benchmarks.md, 'Peers'); or pass --vllm-python PATH")
 
 
 class PeerUnavailable(FileNotFoundError):

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 _HEADER = Path(__file__).parent / "cpu" / "linear_formats.h"
+
+QuantFormat = Literal["int4", "int8", "fp8"]  # what one code is (PackedWeight.format)
+# How the codes are laid out (PackedWeight.layout): rows as stored; INT4 in blocks of 8 interleaved rows for the
+# INT8-activation (VNNI) kernel; panels of 16 output columns for the bf16 panel kernel.
+Layout = Literal["rows", "interleave8", "panels16"]
 
 
 def _read(header: Path) -> dict[str, int]:
@@ -16,7 +22,15 @@ def _read(header: Path) -> dict[str, int]:
 
 LINEAR_FORMATS = _read(_HEADER)
 DENSE, PANELS = LINEAR_FORMATS["dense"], LINEAR_FORMATS["panels"]  # float weights: as stored, panel-packed
-# Quantized formats (PackedWeight.fmt) -> code; the panel ones are quant_panel_linear's kinds in code order.
-QUANT_FORMATS = {name: code for name, code in LINEAR_FORMATS.items() if code >= 0}
-PANEL_FORMATS = tuple(sorted((n for n in QUANT_FORMATS if QUANT_FORMATS[n] >= LINEAR_FORMATS["int4p"]),
-                             key=QUANT_FORMATS.__getitem__))
+# A quantized weight's code by (format, layout): the one place the header's names for them are spelled.
+QUANT_CODES: dict[tuple[QuantFormat, Layout], int] = {
+    ("int4", "rows"): LINEAR_FORMATS["int4"],
+    ("int8", "rows"): LINEAR_FORMATS["int8"],
+    ("fp8", "rows"): LINEAR_FORMATS["fp8"],
+    ("int4", "interleave8"): LINEAR_FORMATS["int4x8"],
+    ("int4", "panels16"): LINEAR_FORMATS["int4p"],
+    ("int8", "panels16"): LINEAR_FORMATS["int8p"],
+    ("fp8", "panels16"): LINEAR_FORMATS["fp8p"],
+}
+# quant_panel_linear's `kind` is a panel code minus this one (as decoder_stack.cpp computes it).
+FIRST_PANEL_CODE = LINEAR_FORMATS["int4p"]

@@ -15,14 +15,14 @@ import torch
 
 from pagoda.kernels.decoder_stack import LinearArgs
 from pagoda.kernels.linear import PANELS_STACK_MAX_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
-from pagoda.kernels.linear_formats import DENSE, PANEL_FORMATS, PANELS
+from pagoda.kernels.linear_formats import DENSE, PANELS
 from pagoda.kernels.policy import KernelPolicy
-from pagoda.kernels.quant_linear import CPP_MAX_M, FORMATS, PackedWeight, cpp_supported, kernel_layout, quant_linear
+from pagoda.kernels.quant_linear import CPP_MAX_M, PackedWeight, cpp_supported, kernel_layout, quant_linear
 
 
 @dataclass(frozen=True)
 class LinearKernel:
-    fmt: int                          # the format's code (linear_formats.LINEAR_FORMATS)
+    code: int                         # the format's code (linear_formats.LINEAR_FORMATS)
     weight: torch.Tensor | None       # dense: the float weight [N, K] (the reference every path equals)
     qweight: PackedWeight | None      # quantized: the codes in the kernel's layout
     bias: torch.Tensor | None
@@ -46,22 +46,22 @@ class LinearKernel:
             return None
         pw = self.qweight
         if pw is not None:
-            return [pw.data, pw.scales, pw.offsets, self.bias], self.fmt, pw.group_size, self.stack_rows
-        return [self.panels if self.fmt == PANELS else self.weight, None, None, self.bias], self.fmt, 0, \
+            return [pw.data, pw.scales, pw.offsets, self.bias], self.code, pw.group_size, self.stack_rows
+        return [self.panels if self.code == PANELS else self.weight, None, None, self.bias], self.code, 0, \
             self.stack_rows
 
 
 def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | None, bias: torch.Tensor | None,
                          act_dtype: torch.dtype, policy: KernelPolicy) -> LinearKernel:
     """The kernel for a float `weight` or a quantized `qweight` at activations of `act_dtype` under `policy`:
-    quantized weights take the layout their CPU kernel reads (kernel_layout: panels, int4x8); float weights
+    quantized weights take the layout their CPU kernel reads (kernel_layout: panels16, interleave8); float weights
     are panel-packed where packed_linear takes them, else run the streaming kernel for few rows and oneDNN
     on a prepacked copy above."""
     if qweight is not None:
         pw = kernel_layout(qweight, act_dtype, policy.int4_activations) if policy.cpp else qweight
         cpp = policy.cpp and cpp_supported(pw)
-        rows = (PANELS_STACK_MAX_M if pw.fmt in PANEL_FORMATS else CPP_MAX_M) if cpp else 0  # panels: every M
-        return LinearKernel(FORMATS[pw.fmt], None, pw, bias, cpp, stack_rows=rows)
+        rows = (PANELS_STACK_MAX_M if pw.layout == "panels16" else CPP_MAX_M) if cpp else 0  # panels: every M
+        return LinearKernel(pw.code, None, pw, bias, cpp, stack_rows=rows)
     assert weight is not None
     if not policy.cpp:
         return LinearKernel(DENSE, weight, None, bias, onednn=prepack(weight))  # oneDNN's layout: torch's own

@@ -13,8 +13,8 @@ INT4_ACTIVATIONS = ("float", "int8")
 @dataclass(frozen=True)
 class KernelPolicy:
     cpp: bool                      # Pagoda's C++ CPU kernels (they built and config allows them)
-    # "int8": INT4 layers quantize their activations to INT8 per row and use VNNI dot products (int4x8,
-    # kernels/quant_linear.py); "float": INT4 stays weight-only.
+    # "int8": INT4 layers quantize their activations to INT8 per row and use VNNI dot products (layout
+    # interleave8, kernels/quant_linear.py); "float": INT4 stays weight-only.
     int4_activations: str = "float"
 
     @classmethod

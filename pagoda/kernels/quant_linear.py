@@ -3,12 +3,12 @@
 Every format is stored as `PackedWeight`: codes plus a per-(row, group) fp32 scale and optional
 fp32 offset, w = code * scale + offset (INT4's zero point z becomes offset = -scale * z; GGUF Q4_1's
 min m is the offset directly). With bf16 activations INT4, INT8 and FP8 weights are prepared in panels of 16
-output columns (`kernel_layout`: int4p, int8p, fp8p) for one C++ kernel at every row count
+output columns (`kernel_layout`: layout "panels16") for one C++ kernel at every row count
 (cpu/quant_panel_linear.cpp). Otherwise the CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
 which reads each packed weight once per 8 activation rows and accumulates in fp32, for up to
 CPP_MAX_M rows (decode); more rows dequantize the weight in C++ and run oneDNN's GEMM (prefill). On
-request (config `int4_activations="int8"`), INT4 layers are prepared as int4x8 (`kernel_layout`): an 8-row
-interleaved layout whose few-row kernel quantizes activations to INT8 per 32 columns and computes with
+request (config `int4_activations="int8"`), INT4 layers are prepared in layout "interleave8" (`kernel_layout`):
+8 interleaved rows, whose few-row kernel quantizes activations to INT8 per 32 columns and computes with
 integer dot products (VNNI). Shapes the kernels cannot take (K or group not a multiple of 32), a missing
 build, or another device use the torch fallback (PackedWeight.dequantize, then F.linear). A CUDA path
 would plug in as another branch of `quant_linear`.
@@ -23,112 +23,131 @@ import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.linear import PANEL
-from pagoda.kernels.linear_formats import PANEL_FORMATS, QUANT_FORMATS
+from pagoda.kernels.linear_formats import FIRST_PANEL_CODE, QUANT_CODES, Layout, QuantFormat
 
-# PackedWeight.fmt -> the kernels' code, from the table C++ shares (cpu/linear_formats.h); PANEL_FORMATS are the
-# panel kernel's (cpu/quant_panel_linear.cpp, at every row count), in the order of its `kind`.
-FORMATS = QUANT_FORMATS
+# Output rows per row of `data`, by layout.
+_ROWS_PER_DATA_ROW: dict[Layout, int] = {"rows": 1, "interleave8": 8, "panels16": PANEL}
+
 
 @dataclass
 class PackedWeight:
-    fmt: str                     # "int4" | "int8" | "fp8" | "int4x8" (interleave8) | "int4p" | "int8p" | "fp8p"
-    data: torch.Tensor           # int4: uint8 [N, K // 2] (low nibble = even k); int8: int8 [N, K]; fp8: uint8 [N, K]
-    scales: torch.Tensor         # fp32 [N, K // group_size] (int4x8: [N // 8, G, 8]; int4p: [N // 16, G, 16])
+    """One quantized weight [N, K]: `format` says what a code is, `layout` how a kernel reads the codes
+    (linear_formats.Layout); `code`, derived from the two, is what the C++ kernels dispatch on."""
+    format: QuantFormat          # "int4" | "int8" | "fp8" (e4m3)
+    data: torch.Tensor           # rows: int4 uint8 [N, K / 2] (low nibble = even k), int8 int8 [N, K], fp8 uint8 [N, K]
+    scales: torch.Tensor         # fp32 [N, K // group_size] (interleave8: [N // 8, G, 8]; panels16: [N // 16, G, 16])
     offsets: torch.Tensor | None  # like scales, or None (symmetric)
     group_size: int
     in_features: int
+    layout: Layout = "rows"      # interleave8 and panels16 are made by the methods of those names
+
+    def __post_init__(self) -> None:
+        if (self.format, self.layout) not in QUANT_CODES:  # e.g. interleave8 is INT4's only
+            raise ValueError(f"no kernel takes {self.format!r} weights in layout {self.layout!r}")
+
+    @property
+    def code(self) -> int:
+        """The kernels' code for this format in this layout (cpu/linear_formats.h)."""
+        return QUANT_CODES[self.format, self.layout]
 
     @property
     def out_features(self) -> int:
-        return self.data.shape[0] * (8 if self.fmt == "int4x8" else PANEL if self.fmt in PANEL_FORMATS else 1)
+        return self.data.shape[0] * _ROWS_PER_DATA_ROW[self.layout]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.offsets) if t is not None)
 
-    def interleave8(self) -> "PackedWeight":
-        """INT4 as int4x8, the layout of the INT8-activation kernel: per block of 8 rows and 64 columns,
+    def _require_row_major(self, target: Layout, fmt: QuantFormat, needs: str, ok: bool) -> None:
+        """Raise unless this is a row-major `fmt` weight of the shape `target` needs (`ok`)."""
+        if (self.format, self.layout) != (fmt, "rows") or not ok:
+            raise ValueError(f"{target} needs row-major {fmt} with {needs}, not {self.format} ({self.layout}) "
+                             f"[{self.out_features}, {self.in_features}] g{self.group_size}")
+
+    def interleave8(self) -> PackedWeight:
+        """INT4 in layout interleave8, the INT8-activation kernel's: per block of 8 rows and 64 columns,
         8 vectors whose 32-bit lane j holds 4 bytes of row j, so one VNNI instruction advances all 8 rows
         (cpu/quant_linear.cpp, blocks_int4x8_i8); scales and offsets as [N / 8, G, 8]."""
-        if self.fmt != "int4" or self.out_features % 8 or self.in_features % 64:
-            raise ValueError(f"int4x8 needs int4 with rows % 8 == 0 and K % 64 == 0, not {self.fmt} "
-                             f"[{self.out_features}, {self.in_features}]")
+        self._require_row_major("interleave8", "int4", "rows % 8 == 0 and K % 64 == 0",
+                                self.out_features % 8 == 0 and self.in_features % 64 == 0)
         n, k = self.out_features, self.in_features
         data = self.data.view(n // 8, 8, k // 64, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, 4 * k)
-        return PackedWeight("int4x8", data.contiguous(), _blocks_of_8(self.scales),
-                            None if self.offsets is None else _blocks_of_8(self.offsets), self.group_size, k)
+        return PackedWeight("int4", data.contiguous(), _blocks_of_8(self.scales),
+                            None if self.offsets is None else _blocks_of_8(self.offsets), self.group_size, k,
+                            "interleave8")
 
-    def panels16(self) -> "PackedWeight":
-        """INT4 as int4p, the layout of the bf16 panel kernel (cpu/quant_panel_linear.cpp): codes uint8
-        [N / 16, K / 8, 64], one 64-byte block per 8 k x 16 columns, nibbles placed so that unpacking each
-        half against a 0x43 byte yields vdpbf16ps operands; scales and offsets as [N / 16, G, 16]."""
-        if self.fmt != "int4" or self.out_features % PANEL or self.group_size % 8:
-            raise ValueError(f"int4p needs int4 with rows % {PANEL} == 0 and groups of a multiple of 8, not "
-                             f"{self.fmt} [{self.out_features}, {self.in_features}] g{self.group_size}")
+    def panels16(self) -> PackedWeight:
+        """Layout panels16, the bf16 panel kernel's (cpu/quant_panel_linear.cpp), whatever the format."""
+        return {"int4": self.int4_panels, "int8": self.int8_panels, "fp8": self.fp8_panels}[self.format]()
+
+    def int4_panels(self) -> PackedWeight:
+        """INT4 in panels16: codes uint8 [N / 16, K / 8, 64], one 64-byte block per 8 k x 16 columns,
+        nibbles placed so that unpacking each half against a 0x43 byte yields vdpbf16ps operands; scales
+        and offsets as [N / 16, G, 16]."""
+        self._require_row_major("panels16", "int4", f"rows % {PANEL} == 0 and groups of a multiple of 8",
+                                self.out_features % PANEL == 0 and self.group_size % 8 == 0)
         n, k = self.out_features, self.in_features
         c, k_lo, k_hi = _panel_byte_map()
         q = self.codes().to(torch.uint8).view(n // PANEL, PANEL, k // 8, 8).transpose(1, 2)  # [P, K/8, 16, 8]
         data = q[:, :, c, k_lo] | (q[:, :, c, k_hi] << 4)
-        return PackedWeight("int4p", data.contiguous(), _panels_of(self.scales),
-                            None if self.offsets is None else _panels_of(self.offsets), self.group_size, k)
+        return PackedWeight("int4", data.contiguous(), _panels_of(self.scales),
+                            None if self.offsets is None else _panels_of(self.offsets), self.group_size, k,
+                            "panels16")
 
-    def int8_panels(self) -> "PackedWeight":
-        """INT8 as int8p: the panel kernel's codes of a [N, 2K] INT4 weight [h | l], u = q + 128 = 16 h + l, so
+    def int8_panels(self) -> PackedWeight:
+        """INT8 in panels16: the panel codes of a [N, 2K] INT4 weight [h | l], u = q + 128 = 16 h + l, so
         that 8-bit codes are exact bf16 dot-product operands too (the kernel multiplies the h half by 16 x and
         takes the 128 of u off the l half); scales and offsets are the INT8 weight's, as [N / 16, G, 16]."""
-        if self.fmt != "int8" or self.out_features % PANEL or self.group_size % 8:
-            raise ValueError(f"int8p needs int8 with rows % {PANEL} == 0 and groups of a multiple of 8, not "
-                             f"{self.fmt} [{self.out_features}, {self.in_features}] g{self.group_size}")
+        self._require_row_major("panels16", "int8", f"rows % {PANEL} == 0 and groups of a multiple of 8",
+                                self.out_features % PANEL == 0 and self.group_size % 8 == 0)
         n, k = self.out_features, self.in_features
         u = (self.data.to(torch.int16) + 128).to(torch.uint8)
         halves = torch.cat([u >> 4, u & 0xF], dim=1)
         ones = torch.ones(n, 2 * k // self.group_size)  # only the codes' layout is used
         codes = PackedWeight("int4", (halves[:, 0::2] | (halves[:, 1::2] << 4)).contiguous(), ones, None,
-                             self.group_size, 2 * k).panels16().data
-        return PackedWeight("int8p", codes, _panels_of(self.scales),
-                            None if self.offsets is None else _panels_of(self.offsets), self.group_size, k)
+                             self.group_size, 2 * k).int4_panels().data
+        return PackedWeight("int8", codes, _panels_of(self.scales),
+                            None if self.offsets is None else _panels_of(self.offsets), self.group_size, k,
+                            "panels16")
 
-    def fp8_panels(self) -> "PackedWeight":
-        """FP8 as fp8p: e4m3 bytes [N / 16, K / 8, 128], per panel and 8 k four 32-byte vdpbf16ps operands, byte
-        2c + j of operand o being column c at k = 2o + j (the kernel turns each into a bf16 bit pattern);
+    def fp8_panels(self) -> PackedWeight:
+        """FP8 in panels16: e4m3 bytes [N / 16, K / 8, 128], per panel and 8 k four 32-byte vdpbf16ps operands,
+        byte 2c + j of operand o being column c at k = 2o + j (the kernel turns each into a bf16 bit pattern);
         per-column scales as [N / 16, 1, 16]."""
-        if self.fmt != "fp8" or self.out_features % PANEL or self.in_features % 8 or self.offsets is not None:
-            raise ValueError(f"fp8p needs per-channel fp8 with rows % {PANEL} == 0 and K % 8 == 0, not "
-                             f"{self.fmt} [{self.out_features}, {self.in_features}]")
+        self._require_row_major("panels16", "fp8", f"per-channel scales, rows % {PANEL} == 0 and K % 8 == 0",
+                                self.out_features % PANEL == 0 and self.in_features % 8 == 0 and self.offsets is None)
         n, k = self.out_features, self.in_features
         data = self.data.view(n // PANEL, PANEL, k // 8, 4, 2).permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // 8, 128)
-        return PackedWeight("fp8p", data.contiguous(), _panels_of(self.scales), None, self.group_size, k)
+        return PackedWeight("fp8", data.contiguous(), _panels_of(self.scales), None, self.group_size, k, "panels16")
 
-    def row_major(self) -> "PackedWeight":
-        """The inverse of interleave8, panels16, int8_panels and fp8_panels (other formats are returned as
-        they are)."""
-        if self.fmt == "fp8p":
-            n, k = self.out_features, self.in_features
-            data = self.data.view(n // PANEL, k // 8, 4, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
-            return PackedWeight("fp8", data.contiguous(), _rows_of(self.scales), None, self.group_size, k)
-        if self.fmt in ("int4p", "int8p"):
-            return self._panel_rows(torch.arange(self.out_features))
-        if self.fmt != "int4x8":
+    def row_major(self) -> PackedWeight:
+        """Layout rows: the inverse of interleave8 and panels16 (a row-major weight is returned as it is)."""
+        if self.layout == "rows":
             return self
         n, k = self.out_features, self.in_features
-        data = self.data.view(n // 8, k // 64, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 2)
-        offsets = None if self.offsets is None else _rows_of(self.offsets)
-        return PackedWeight("int4", data.contiguous(), _rows_of(self.scales), offsets, self.group_size, k)
+        if self.layout == "interleave8":
+            data = self.data.view(n // 8, k // 64, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 2)
+            offsets = None if self.offsets is None else _rows_of(self.offsets)
+            return PackedWeight("int4", data.contiguous(), _rows_of(self.scales), offsets, self.group_size, k)
+        if self.format == "fp8":
+            data = self.data.view(n // PANEL, k // 8, 4, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
+            return PackedWeight("fp8", data.contiguous(), _rows_of(self.scales), None, self.group_size, k)
+        return self._panel_rows(torch.arange(n))
 
     def codes(self) -> torch.Tensor:
         """Per-weight codes as fp32 [N, K] (FP8: the e4m3 values themselves)."""
-        if self.fmt in ("int4x8", *PANEL_FORMATS):
+        if self.layout != "rows":
             return self.row_major().codes()
-        if self.fmt == "int4":
+        if self.format == "int4":
             d = self.data
             return torch.stack((d & 0xF, d >> 4), dim=-1).reshape(d.shape[0], -1).float()
-        if self.fmt == "fp8":
+        if self.format == "fp8":
             return self.data.view(torch.float8_e4m3fn).float()
         return self.data.float()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The effective float weight [N, K] every path computes with (the reference)."""
-        if self.fmt in ("int4x8", *PANEL_FORMATS):
+        if self.layout != "rows":
             return self.row_major().dequantize(dtype)
         n, k, g = self.out_features, self.in_features, self.group_size
         w = self.codes().view(n, k // g, g) * self.scales.unsqueeze(-1)
@@ -136,19 +155,19 @@ class PackedWeight:
             w = w + self.offsets.unsqueeze(-1)
         return w.view(n, k).to(dtype)
 
-    def rows(self, index: torch.Tensor) -> "PackedWeight":
+    def rows(self, index: torch.Tensor) -> PackedWeight:
         """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute; the rows
         a QuantEmbedding gathers), row-major."""
-        if self.fmt in ("int4p", "int8p"):
+        if self.layout == "panels16" and self.format != "fp8":  # nibble panels: gathered in place
             return self._panel_rows(index)
-        if self.fmt in ("int4x8", "fp8p"):
+        if self.layout != "rows":
             return self.row_major().rows(index)
-        return PackedWeight(self.fmt, self.data[index].contiguous(), self.scales[index].contiguous(),
+        return PackedWeight(self.format, self.data[index].contiguous(), self.scales[index].contiguous(),
                             None if self.offsets is None else self.offsets[index].contiguous(),
                             self.group_size, self.in_features)
 
-    def _panel_rows(self, index: torch.Tensor) -> "PackedWeight":
-        """rows() of int4p / int8p without re-laying the whole weight (a tied LM head's table serves the
+    def _panel_rows(self, index: torch.Tensor) -> PackedWeight:
+        """rows() of INT4 / INT8 panels16 without re-laying the whole weight (a tied LM head's table serves the
         embedding's lookups; with every row, row_major()): one gather of each selected column's 8 nibbles
         per block."""
         p, c = index // PANEL, index % PANEL
@@ -159,24 +178,24 @@ class PackedWeight:
         scales = self.scales[p, :, c].contiguous()
         offsets = None if self.offsets is None else self.offsets[p, :, c].contiguous()
         k = self.in_features
-        if self.fmt == "int8p":
+        if self.format == "int8":
             q = (16 * q[:, :k].to(torch.int16) + q[:, k:] - 128).to(torch.int8)
             return PackedWeight("int8", q, scales, offsets, self.group_size, k)
         return PackedWeight("int4", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scales, offsets,
                             self.group_size, k)
 
     @staticmethod
-    def cat(parts: list["PackedWeight"]) -> "PackedWeight":
-        """Stack along output rows (fused q|k|v and gate|up); all parts share format and groups."""
+    def cat(parts: list[PackedWeight]) -> PackedWeight:
+        """Stack along output rows (fused q|k|v and gate|up), row-major; all parts share format and groups."""
         parts = [p.row_major() for p in parts]
         p0 = parts[0]
-        if any((p.fmt, p.group_size, p.in_features) != (p0.fmt, p0.group_size, p0.in_features) for p in parts):
+        if any((p.format, p.group_size, p.in_features) != (p0.format, p0.group_size, p0.in_features) for p in parts):
             raise ValueError("cannot fuse quantized weights with different formats or group sizes")
         has_off = [p.offsets is not None for p in parts]
         offsets = None
         if any(has_off):
             offsets = torch.cat([p.offsets if p.offsets is not None else torch.zeros_like(p.scales) for p in parts])
-        return PackedWeight(p0.fmt, torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]),
+        return PackedWeight(p0.format, torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]),
                             offsets, p0.group_size, p0.in_features)
 
 
@@ -209,7 +228,7 @@ def _panel_column_nibbles() -> torch.Tensor:
 
 @functools.cache
 def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For byte t of an int4p block: the column and the k (within the block's 8) of its low and high
+    """For byte t of an INT4 panels16 block: the column and the k (within the block's 8) of its low and high
     nibble. unpacklo/hi_epi8 put byte t's nibbles at word 8 (t // 16) + t % 8 of operand (t % 16) // 8
     (low) or 2 + (t % 16) // 8 (high); operand o, word 2c + j is column c at k = 2o + j."""
     t = torch.arange(64)
@@ -220,26 +239,26 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
-    `int4_activations="int8"` (KernelPolicy), INT4 becomes int4x8 where the build has that kernel (VNNI + GFNI; K a
-    multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, INT4 becomes int4p, INT8 int8p
-    and FP8 fp8p where the build has the panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations
+    `int4_activations="int8"` (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel
+    (VNNI + GFNI; K a multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, every format
+    takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations
     keep the row-major kernels, which compute in fp32 (the panel kernel's operands are bf16)."""
     if int4_activations not in ("int8", "float"):
         raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
-    if pw.fmt not in ("int4", "int8", "fp8") or not cpp_supported(pw):
+    if pw.layout != "rows" or not cpp_supported(pw):
         return pw
-    if int4_activations == "int8" and pw.fmt == "int4":
+    if int4_activations == "int8" and pw.format == "int4":
         ok = pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size)
         return pw.interleave8() if ok else pw
-    if act_dtype == torch.bfloat16 and pw.out_features % PANEL == 0 and (pw.fmt != "fp8" or pw.offsets is None) \
+    if act_dtype == torch.bfloat16 and pw.out_features % PANEL == 0 and (pw.format != "fp8" or pw.offsets is None) \
             and torch.ops.pagoda.quant_panels_supported(pw.in_features, pw.group_size):
-        return {"int4": pw.panels16, "int8": pw.int8_panels, "fp8": pw.fp8_panels}[pw.fmt]()
+        return pw.panels16()
     return pw
 
 
 def cpp_supported(pw: PackedWeight) -> bool:
     k, g = pw.in_features, pw.group_size
-    if pw.fmt in PANEL_FORMATS:
+    if pw.layout == "panels16":
         return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_panels_supported(k, g)
     return k % 32 == 0 and g % 32 == 0 and k % g == 0 and pw.data.device.type == "cpu" and kernel_available() \
         and hasattr(torch.ops.pagoda, "quant_linear")
@@ -259,17 +278,17 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, u
     if x.dim() != 2:
         return quant_linear(x.reshape(-1, x.shape[-1]), pw, bias, use_cpp, max_cpp_m).reshape(*x.shape[:-1], -1)
     m = x.shape[0]
-    if pw.fmt in PANEL_FORMATS:  # the panel kernel runs every row count; it takes bf16 only
+    if pw.layout == "panels16":  # the panel kernel runs every row count; it takes bf16 only
         if use_cpp and m > 0 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             return torch.ops.pagoda.quant_panel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets,
                                                        None if bias is None else bias.float().contiguous(),
-                                                       pw.group_size, PANEL_FORMATS.index(pw.fmt))
+                                                       pw.group_size, pw.code - FIRST_PANEL_CODE)
         return F.linear(x, pw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
     if use_cpp and 0 < m <= (CPP_MAX_M if max_cpp_m is None else max_cpp_m) and x.device.type == "cpu":
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
         return torch.ops.pagoda.quant_linear(x if x.is_contiguous() else x.contiguous(), pw.data, pw.scales,
                                              pw.offsets, None if bias is None else bias.float().contiguous(),
-                                             FORMATS[pw.fmt], pw.group_size)
+                                             pw.code, pw.group_size)
     return dequant_linear(x, pw, bias, use_cpp)
 
 
@@ -277,7 +296,7 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
     """Dequantize to x's dtype (the C++ kernel where `use_cpp`, else PackedWeight.dequantize, the
     reference) and run F.linear: the many-row path, and the fallback everywhere else."""
     if use_cpp and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, FORMATS[pw.fmt], pw.group_size,
+        w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, pw.code, pw.group_size,
                                               pw.in_features, x.dtype)
     else:
         w = pw.dequantize(x.dtype)

@@ -19,4 +19,6 @@ class QuantEmbedding(nn.Module):
         return self.pw.rows(ids.reshape(-1)).dequantize(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.pw.fmt}, group={self.pw.group_size}"
+        pw = self.pw
+        return (f"{self.num_embeddings}, {self.embedding_dim}, format={pw.format}, layout={pw.layout}, "
+                f"group={pw.group_size}")

@@ -71,7 +71,7 @@ def _int4_keeping_the_grid(weights: Iterable[tuple[str, Weight]], group_size: in
     """A GGUF's stream under int4: INT4 blocks as stored; a Linear matrix in any other format is quantized to
     INT4 from its float values; the rest (norms, a packed embedding table) passes through."""
     for name, w in weights:
-        if not is_linear(name) or (isinstance(w, PackedWeight) and w.fmt == "int4"):
+        if not is_linear(name) or (isinstance(w, PackedWeight) and w.format == "int4"):
             yield name, w
         else:
             yield name, quantize_weight("int4", w.dequantize() if isinstance(w, PackedWeight) else w, group_size)
