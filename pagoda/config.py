@@ -37,6 +37,11 @@ def cache_dir() -> str:
     return os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
 
 
+def server_api_key(flag: str | None) -> str | None:
+    """The server's API key: --api-key, else PAGODA_API_KEY (a secret kept out of the process list)."""
+    return flag or os.environ.get("PAGODA_API_KEY") or None
+
+
 _warned_float16 = False
 
 

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pagoda.config import EngineConfig
+    from pagoda.config import EngineConfig, server_api_key
     from pagoda.engine.async_engine import AsyncEngine
     from pagoda.engine.engine import LLMEngine
     from pagoda.entrypoints.cli import engine_kwargs
@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(names[0])
     settings = ServerSettings(
         served_model_names=names,
-        api_key=args.api_key or os.environ.get("PAGODA_API_KEY") or None,
+        api_key=server_api_key(args.api_key),
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,
         model_root=args.model or DEFAULT_MODEL_NAME,
