@@ -135,6 +135,58 @@ def test_kernel_detects_wrong_causal_offset():
                                                    torch.tensor([0, 1]), sl[1:] - 1, 0.125), atol=1e-3)
 
 
+def dense_window_softcap(q, dense_k, dense_v, qsl, seq_lens, scale, window, softcap):
+    """Ground truth with a sliding window (keys (p - window, p]) and soft-capped scores, written out."""
+    outs = []
+    for b in range(len(dense_k)):
+        qb = q[qsl[b]:qsl[b + 1]].float().transpose(0, 1)  # [Hq, q_len, D]
+        group = qb.shape[0] // dense_k[b].shape[1]
+        k = dense_k[b].float().transpose(0, 1).repeat_interleave(group, 0)
+        v = dense_v[b].float().transpose(0, 1).repeat_interleave(group, 0)
+        q_len, s = qb.shape[1], k.shape[1]
+        scores = qb @ k.transpose(1, 2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos, key = torch.arange(s - q_len, s)[:, None], torch.arange(s)[None, :]
+        allowed = (key <= pos) & ((key > pos - window) if window else True)
+        outs.append((scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def free_blocks_before_windows(bt, qsl, sl, bs, window, poison):
+    """Point each sequence's blocks before its first visible key's block at `poison` (a NaN block), as
+    KVCacheManager frees them: any read there poisons the output."""
+    bt = bt.clone()
+    for b in range(len(sl)):
+        first = max(0, int(sl[b]) - int(qsl[b + 1] - qsl[b]) - window + 1) // bs
+        bt[b, :first] = poison
+    return bt
+
+
+WINDOWED = [(1, 1), (1, 37), (5, 5), (23, 23), (1, 64), (17, 50), (40, 131), (1, 200), (3, 3), (64, 64), (2, 99)]
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
+@pytest.mark.parametrize("dtype,words", [(torch.float32, False), (torch.bfloat16, False),
+                                         pytest.param(torch.bfloat16, True, marks=needs_words)])
+@pytest.mark.parametrize("window,softcap", [(16, 0.0), (21, 0.0), (48, 0.0), (0, 5.0), (21, 5.0)])
+def test_sliding_window_and_softcap_match_the_dense_reference(kernel, dtype, words, window, softcap):
+    """Windowed layers read from the block of their first visible key only (earlier blocks may be freed: here
+    they are NaN), mask the keys before the window in that block, and cap scores before the mask."""
+    bs, d = 16, 64
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(WINDOWED, 8, 2, d, bs, dtype, seed=window, words=words)
+    poison = min(set(range(kc.shape[0])) - set(bt.flatten().tolist()))  # make_batch leaves spare NaN blocks
+    if window:
+        bt = free_blocks_before_windows(bt, qsl, sl, bs, window, poison)
+    scale = d ** -0.5
+    want = dense_window_softcap(q, dk, dv, qsl, sl, scale, window, softcap)
+    got = pa.paged_attention(q, kc, vc, bt, qsl, sl, scale, kernel=kernel, window=window, softcap=softcap)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    if window:  # the window is felt: without it the long rows differ
+        assert not torch.allclose(got.float(), dense_window_softcap(q, dk, dv, qsl, sl, scale, 0, softcap), atol=1e-2)
+
+
 def test_reference_matches_sdpa_without_kernel():
     """The fallback path (kernel=False, as under kernels="torch") is the reference and is exact."""
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, 64, 4, torch.float32, seed=3)

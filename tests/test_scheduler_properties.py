@@ -8,14 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagoda.config import SchedulerConfig
-from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_manager import FREED, KVCacheManager
 from pagoda.core.scheduler import Scheduler
 from pagoda.engine.request import Request, Sequence
 from pagoda.sampling_params import SamplingParams
 
 
 def check_invariants(kv: KVCacheManager) -> None:
-    refs = Counter(b for table in kv.block_tables.values() for b in table)
+    refs = Counter(b for table in kv.block_tables.values() for b in table if b != FREED)
     for b in range(kv.pool.num_blocks):
         assert kv.pool.ref_counts[b] == refs.get(b, 0), f"block {b} refcount mismatch"
         assert kv.pool.ref_counts[b] >= 0
@@ -55,7 +55,14 @@ class Simulator:
             seen.add(seq.seq_id)
             table = kv.block_tables[seq.seq_id]
             assert len(table) * bs >= seq.num_computed_tokens + n
-            for pos in range(seq.num_computed_tokens):  # every KV it reads holds its own tokens
+            # With a sliding window, attention reads from the block of the first query's first visible key.
+            window = kv.sliding_window
+            first = max(0, seq.num_computed_tokens - window + 1) // bs * bs if window else 0
+            assert FREED not in table[first // bs:], "a block still in the window was freed"
+            if window:  # what a long sequence holds stays window-sized
+                held = sum(b != FREED for b in table)
+                assert held <= kv.max_blocks_held(seq.num_tokens, self.sched.config.max_num_batched_tokens)
+            for pos in range(first, seq.num_computed_tokens):  # every KV it reads holds its own tokens
                 assert self.content.get((table[pos // bs], pos % bs)) == tuple(seq.token_ids[:pos + 1]), \
                     "wrong KV served"
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
@@ -94,10 +101,10 @@ request_spec = st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), min_size
 @settings(max_examples=60, deadline=None)
 @given(specs=st.lists(request_spec, min_size=1, max_size=12), num_blocks=st.integers(12, 40),
        block_size=st.sampled_from([1, 2, 4, 16]), budget=st.integers(1, 64), max_seqs=st.integers(1, 8),
-       prefix_caching=st.booleans())
+       prefix_caching=st.booleans(), window=st.sampled_from([None, 1, 5, 16]))
 def test_random_workloads_finish_without_leaks_or_wrong_kv(specs, num_blocks, block_size, budget, max_seqs,
-                                                           prefix_caching):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+                                                           prefix_caching, window):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, sliding_window=window)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv)
     sim = Simulator(kv, sched)
     pending = list(specs)

@@ -5,6 +5,12 @@ hash chained from its parent's (SHA-256 over the parent hash and the block's tok
 covers the model, the KV dtype and the request's cache_salt). A new sequence reuses the longest
 run of cached full blocks and computes only the rest. SHA-256 makes a collision, and so wrong KV,
 practically impossible; no token-id recheck is needed.
+
+With a sliding window on every layer (Mistral), a query at p reads keys (p - window, p] only: blocks that
+fall out of the window of every query still to come are freed as the sequence advances
+(release_out_of_window, as vLLM's sliding-window manager does), so a long context holds window-sized KV.
+Their table entries become FREED, which attention never reads (it starts at the block of a query's first
+visible key).
 """
 from __future__ import annotations
 
@@ -19,6 +25,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+FREED = -1  # a block-table entry whose block left the sliding window and was freed
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -31,8 +40,9 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_namespace: str = "") -> None:
+                 cache_namespace: str = "", sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's, or None (some layer reads the whole context)
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self._root = hashlib.sha256(cache_namespace.encode()).digest()
@@ -45,6 +55,14 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once, computing at most `max_step_tokens` a
+        step: all of them, or with a sliding window the window's and one step's (plus a partial block)."""
+        need = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return need
+        return min(need, self.blocks_needed(self.sliding_window + max_step_tokens) + 1)
 
     def _block_hash(self, parent: BlockHash, tokens: list[int]) -> BlockHash:
         return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
@@ -73,10 +91,14 @@ class KVCacheManager:
             hashes.append(h)
             blocks.append(b)
             parent = h
-        self.pool.incref(blocks)
+        num_cached = len(blocks) * bs
+        if self.sliding_window is not None:  # only the blocks the next query's window reaches are taken
+            end = max(0, num_cached - self.sliding_window + 1) // bs
+            blocks[:end] = [FREED] * end
+        self.pool.incref([b for b in blocks if b != FREED])
         self.block_tables[seq_id] = blocks
         self._hashes[seq_id] = hashes
-        return len(blocks) * bs
+        return num_cached
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int, salt: str | None) -> None:
         """Register the sequence's newly completed full blocks (their KV is now written)."""
@@ -116,6 +138,21 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need_new))
         return True
 
+    def release_out_of_window(self, seq_id: int, num_computed: int) -> None:
+        """Free the blocks before the one holding the first key the next query (at `num_computed`) sees.
+        Every later query sees no earlier key, so nothing reads them again; cached ones stay in the prefix
+        cache until evicted."""
+        if self.sliding_window is None:
+            return
+        table = self.block_tables.get(seq_id)
+        if not table:
+            return
+        end = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        out = [b for b in table[:end] if b != FREED]
+        if out:
+            self.pool.decref(out)
+            table[:end] = [FREED] * end
+
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Free the blocks past the first `num_tokens` tokens (KV of rejected speculative tokens).
 
@@ -130,7 +167,7 @@ class KVCacheManager:
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all of the parent's blocks (parallel sampling, n > 1)."""
         table = self.block_tables[parent_id]
-        self.pool.incref(table)
+        self.pool.incref([b for b in table if b != FREED])
         self.block_tables[child_id] = list(table)
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))
 
@@ -139,7 +176,7 @@ class KVCacheManager:
         self._hashes.pop(seq_id, None)
         table = self.block_tables.pop(seq_id, None)
         if table:
-            self.pool.decref(table)
+            self.pool.decref([b for b in table if b != FREED])
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -138,7 +138,8 @@ class Scheduler:
         """After the step's tokens are appended (vLLM v1's update_from_output): each scheduled row has KV
         for the tokens it was scheduled less those rejected (`num_rejected[row]`: proposals it did not
         accept, or did not append after a stop), and its full blocks join the prefix cache. A verified
-        row frees blocks that hold only rejected slots. Finished sequences leave and free their blocks."""
+        row frees blocks that hold only rejected slots; with a sliding window, blocks out of every later query's
+        window are freed. Finished sequences leave and free their blocks."""
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
             if seq.finished:  # failed or aborted during the step
                 continue
@@ -148,6 +149,7 @@ class Scheduler:
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
             if rejected is not None:
                 self.kv.trim(seq.seq_id, seq.num_computed_tokens)
+            self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
         for seq in list(self.running):
             if seq.finish_reason is not None:
                 self.finish(seq)

@@ -35,6 +35,7 @@ class DecoderStack:
     eps: float
     attention: list                      # each layer's PagedAttention (caches are bound to it later)
     rope: torch.nn.Module                # RotaryEmbedding: its cos/sin tables
+    windows: list[int]                   # each layer's sliding window (0: global), or none when no layer has one
     # The caches as lists, gathered on the first call after the runner binds them.
     _bound_cache: torch.Tensor | None = None
     _bound_dtype: torch.dtype | None = None
@@ -47,8 +48,10 @@ class DecoderStack:
         """None where some linear has no streaming kernel (the op would have nothing to call)."""
         if not attention or any(lin is None for lin in linears):
             return None
+        windows = [a.window for a in attention]
         return DecoderStack(norms, qk_norms or [], [t for lin in linears for t in lin[0]], [lin[1] for lin in linears],
-                            [lin[2] for lin in linears], min(lin[3] for lin in linears), eps, attention, rope)
+                            [lin[2] for lin in linears], min(lin[3] for lin in linears), eps, attention, rope,
+                            windows if any(windows) else [])
 
     def takes(self, x: torch.Tensor) -> bool:
         if x.shape[0] > self.max_rows or x.dim() != 2 or x.device.type != "cpu":
@@ -58,7 +61,8 @@ class DecoderStack:
             self._caches = ([a.k_cache for a in self.attention], [a.v_cache for a in self.attention],
                             [a.k_scale for a in self.attention], [a.v_scale for a in self.attention])
             probe = torch.empty(0, (a0.num_heads + 2 * a0.num_kv_heads) * a0.head_dim, dtype=x.dtype)  # qkv rows
-            self._attention_ok = fused_attention_supported(probe, a0.k_cache, a0.k_scale is not None)
+            self._attention_ok = fused_attention_supported(probe, a0.k_cache, a0.k_scale is not None) \
+                and not any(a.softcap for a in self.attention)  # the op runs plain or windowed attention
             self._bound_cache, self._bound_dtype = a0.k_cache, x.dtype
         return self._attention_ok
 
@@ -70,5 +74,5 @@ class DecoderStack:
         return torch.ops.pagoda.decoder_stack(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, k, v, ks, vs, self.norms, self.qk_norms, self.linears, self.formats, self.group_sizes,
-            self.eps,
+            self.windows, self.eps,
             a0.scale, a0.num_heads, a0.num_kv_heads, num_layers)

@@ -89,31 +89,31 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kernel: bool | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal varlen attention of flat queries ``q [T, Hq, D]`` over the paged cache.
 
-    Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and
-    sees keys ``0..`` that position. Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    Query ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - q_len_b + i`` and
+    sees keys ``0..p``, or ``p - window + 1..p`` with a sliding ``window`` (> 0); block-table
+    entries before the block of a sequence's first visible key are never read. ``softcap`` (> 0)
+    caps each scaled score as ``softcap * tanh(s / softcap)`` (Gemma 2). Returns ``[T, Hq, D]`` in ``q``'s dtype.
     ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit. ``kernel``: the layer's
     KernelPolicy.cpp (None: whether the kernels built).
     """
     quantized = k_scale is not None
     use_kernel = kernel_available() if kernel is None else kernel
     if use_kernel and _kernel_supports(q, k_cache, quantized):
-        if quantized:
-            return torch.ops.pagoda.paged_attention(
-                q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),
-                _i32(seq_lens), float(scale), k_scale, v_scale)
         return torch.ops.pagoda.paged_attention(
             q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),
-            _i32(seq_lens), float(scale))
+            _i32(seq_lens), float(scale), k_scale, v_scale, window, softcap)
     global _warned
     if use_kernel and not _warned:
         _warned = True
         logger.warning("paged_attention: C++ kernel not used for dtype=%s D=%d; using the torch reference",
                        q.dtype, q.shape[-1])
     return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                     k_scale, v_scale)
+                                     k_scale, v_scale, window, softcap)
 
 
 def paged_attention_reference(
@@ -126,8 +126,11 @@ def paged_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Pure-torch paged attention: per sequence, gather its blocks and apply a causal mask."""
+    """Pure-torch paged attention: per sequence, gather its blocks (from the first one a query's window
+    reaches) and apply a causal mask, and the window's."""
     T, Hq, D = q.shape
     _, Hkv, bs, _ = v_cache.shape
     group = Hq // Hkv
@@ -139,19 +142,26 @@ def paged_attention_reference(
         q_len = q1 - q0
         if q_len == 0:
             continue
-        blocks = block_tables[b, : (seq_len + bs - 1) // bs].long()
-        # [n, Hkv, bs, D] -> [Hkv, n*bs, D] -> first seq_len keys, one copy per query head.
-        k = k_rows(k_cache[blocks]).transpose(0, 1).reshape(Hkv, -1, D)[:, :seq_len].float()
-        v = v_cache[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :seq_len].float()
+        first = max(0, seq_len - q_len - window + 1) // bs if window > 0 else 0  # earlier blocks may be freed
+        k0, n = first * bs, seq_len - first * bs  # keys [k0, seq_len)
+        blocks = block_tables[b, first: (seq_len + bs - 1) // bs].long()
+        # [n, Hkv, bs, D] -> [Hkv, n*bs, D] -> the keys up to seq_len, one copy per query head.
+        k = k_rows(k_cache[blocks]).transpose(0, 1).reshape(Hkv, -1, D)[:, :n].float()
+        v = v_cache[blocks].transpose(0, 1).reshape(Hkv, -1, D)[:, :n].float()
         if k_scale is not None and v_scale is not None:  # 8-bit cache: one scale per (head, token)
-            k = k * k_scale[blocks].transpose(0, 1).reshape(Hkv, -1)[:, :seq_len].unsqueeze(-1)
-            v = v * v_scale[blocks].transpose(0, 1).reshape(Hkv, -1)[:, :seq_len].unsqueeze(-1)
+            k = k * k_scale[blocks].transpose(0, 1).reshape(Hkv, -1)[:, :n].unsqueeze(-1)
+            v = v * v_scale[blocks].transpose(0, 1).reshape(Hkv, -1)[:, :n].unsqueeze(-1)
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)
         qb = q[q0:q1].transpose(0, 1).float()  # [Hq, q_len, D]
-        scores = (qb @ k.transpose(1, 2)) * scale  # [Hq, q_len, seq_len]
+        scores = (qb @ k.transpose(1, 2)) * scale  # [Hq, q_len, n]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        allowed = torch.arange(seq_len).unsqueeze(0) <= pos
+        key_pos = torch.arange(k0, seq_len).unsqueeze(0)
+        allowed = key_pos <= pos
+        if window > 0:
+            allowed &= key_pos > pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
     return out

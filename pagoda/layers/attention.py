@@ -22,10 +22,13 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 softcap: float | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = sliding_window or 0  # a query at p sees keys (p - window, p]; 0: every key before it
+        self.softcap = softcap or 0.0      # scores capped as softcap * tanh(s / softcap) (Gemma 2); 0: none
         # Bound by the model runner to this layer's slice of the block pool.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -42,7 +45,7 @@ class PagedAttention(nn.Module):
             return torch.ops.pagoda.rope_cache_attention(
                 qkv, positions, rope.cos, rope.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, self.num_heads,
-                self.num_kv_heads, self.k_scale, self.v_scale)
+                self.num_kv_heads, self.k_scale, self.v_scale, self.window, self.softcap)
         T, D = qkv.shape[0], self.head_dim
         rope.forward_(positions, qkv, self.num_heads, self.num_kv_heads, D)
         q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
@@ -53,7 +56,8 @@ class PagedAttention(nn.Module):
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale, self.kernel)
         out = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, self.scale, self.k_scale, self.v_scale, self.kernel)
+                              meta.seq_lens, self.scale, self.k_scale, self.v_scale, self.kernel, self.window,
+                              self.softcap)
         return out.reshape(q.shape[0], -1)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

@@ -9,7 +9,7 @@
 // holds qkv, o, gate_up, down in that order, each as four entries (weight or codes, scales, offsets,
 // bias); formats[4l + i] is its LinearFormat (linear_formats.h), with group_sizes[4l + i] its group size.
 // qk_norms is empty, or holds each layer's q and k head norm weights (Qwen3: RMSNorm over each head of q
-// and k before RoPE), 2l and 2l + 1.
+// and k before RoPE), 2l and 2l + 1. windows is empty, or holds each layer's sliding window (0: global).
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -53,8 +53,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const c10::List<c10::optional<at::Tensor>>& k_scales, const c10::List<c10::optional<at::Tensor>>& v_scales,
     at::TensorList norms, const c10::List<c10::optional<at::Tensor>>& qk_norms,
     const c10::List<c10::optional<at::Tensor>>& linears, at::IntArrayRef formats,
-    at::IntArrayRef group_sizes, double eps, double scale, int64_t num_heads, int64_t num_kv_heads,
-    int64_t num_layers) {
+    at::IntArrayRef group_sizes, at::IntArrayRef windows, double eps, double scale, int64_t num_heads,
+    int64_t num_kv_heads, int64_t num_layers) {
   const int64_t L = num_layers;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_stack: x must be [T, H] contiguous");
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L &&
@@ -66,6 +66,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
               "decoder_stack: per-layer lists are shorter than num_layers");
   const bool qk = qk_norms.size() > 0;
   TORCH_CHECK(!qk || static_cast<int64_t>(qk_norms.size()) >= 2 * L, "decoder_stack: qk_norms is shorter than 2 per layer");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) >= L, "decoder_stack: windows is shorter than L");
   at::Tensor h = x, residual;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t li = l * kLinearsPerLayer;
@@ -85,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     a = pagoda_cpu::rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                                          query_start_loc, seq_lens, scale, num_heads, num_kv_heads, k_scales.get(l),
-                                         v_scales.get(l));
+                                         v_scales.get(l), windows.empty() ? 0 : windows[l], 0.);
     a = run_linear(a, linears, li + 1, formats[li + 1], group_sizes[li + 1]);
     a = pagoda_cpu::rms_norm(a, norms[2 * l + 1], eps, residual);
     a = pagoda_cpu::silu_and_mul(run_linear(a, linears, li + 2, formats[li + 2], group_sizes[li + 2]));
@@ -102,7 +103,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "Tensor query_start_loc, Tensor seq_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor(c!)?[] k_scales, Tensor(d!)?[] v_scales, Tensor[] norms, Tensor?[] qk_norms, Tensor?[] linears, "
       "int[] formats, "
-      "int[] group_sizes, float eps, float scale, int num_heads, int num_kv_heads, int num_layers) "
+      "int[] group_sizes, int[] windows, float eps, float scale, int num_heads, int num_kv_heads, int num_layers) "
       "-> (Tensor, Tensor)");
 }
 

@@ -1,4 +1,5 @@
-// Paged attention for CPU: causal, varlen (mixed decode / chunked prefill), GQA.
+// Paged attention for CPU: causal, varlen (mixed decode / chunked prefill), GQA, with an optional
+// sliding window (a query at p sees keys (p - window, p]) and logit soft-capping (Gemma 2: s = c tanh(s / c)).
 //
 // Work item = (sequence, kv head, tile of queries). The rows of a tile are all
 // (query, query-head) pairs of one GQA group, so every K/V block is read once per
@@ -349,6 +350,8 @@ struct Args {
   const float* k_scale;  // 8-bit caches: fp32 [num_blocks, Hkv, block_size] contiguous
   const float* v_scale;
   float scale;
+  int64_t window;  // > 0: a query at p sees keys (p - window, p] only (sliding-window layers)
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap) before the mask
 };
 
 // Per-thread scratch, sized once per call.
@@ -396,6 +399,12 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   const int64_t rows = nq * G;
   const int64_t first_pos = ctx0 + it.q_begin;            // position of the tile's first query
   const int64_t kv_end = ctx0 + it.q_end;                  // keys [0, kv_end) are visible
+  // With a window, keys start at the block holding the tile's first query's first key: blocks before it may
+  // have been freed (KVCacheManager frees blocks out of every query's window), and the keys of that block
+  // before the window are this sequence's own KV, masked below. Block-aligned, so bf16 key groups of 16
+  // stay within one block.
+  const int64_t kv_begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) / bs * bs : 0;
+  const int64_t last_pos = kv_end - 1;
   const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
   const float* lut = nullptr;
   if constexpr (kQuantized<C>) lut = decode_table<C>();
@@ -432,10 +441,10 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   const int64_t vs2 = a.vc_s2;
   const auto vrow_seg = [&](int j) { return vseg[j >> 4] + (j & 15) * vs2; };
 
-  for (int64_t c0 = 0; c0 < kv_end; c0 += KC) {
+  for (int64_t c0 = kv_begin; c0 < kv_end; c0 += KC) {
     const int nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0));
 #if defined(__AVX512F__)
-    if (c0 == 0) prefetch_keys(a, kc, vc, bt, it.kv_head, 0, std::min<int64_t>(kv_end, KC));
+    if (c0 == kv_begin) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, std::min<int64_t>(kv_end, c0 + KC));
     prefetch_keys(a, kc, vc, bt, it.kv_head, c0 + KC, std::min<int64_t>(kv_end, c0 + 2 * KC));
 #endif
 #if defined(__AVX512BF16__)
@@ -522,18 +531,30 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     }
     }
 
-    // Causal mask only where the chunk reaches past the tile's first query.
+    // Causal mask only where the chunk reaches past the tile's first query; the window's only where the
+    // chunk starts before the last query's window.
     const bool need_mask = c0 + KC - 1 > first_pos;
+    const bool need_window = a.window > 0 && c0 <= last_pos - a.window;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = S + r * KC;
-      if (need_mask) {
-        const int64_t pos = first_pos + r / G;
+      if (a.softcap > 0.f)
+        for (int j = 0; j < KC; ++j) sr[j] = a.softcap * std::tanh(sr[j] / a.softcap);
+      const int64_t pos = first_pos + r / G;
+      if (need_mask)
         for (int j = 0; j < KC; ++j)
-          if (c0 + j > pos) sr[j] = -std::numeric_limits<float>::infinity();
-      }
+          if (c0 + j > pos) sr[j] = kNegInf;
+      if (need_window)
+        for (int j = 0; j < KC; ++j)
+          if (c0 + j <= pos - a.window) sr[j] = kNegInf;
       const vf s0 = vload(sr), s1 = vload(sr + W);
       const float cmax = hmax(s0 > s1 ? s0 : s1);
-      // Chunks are visited from key 0, so every row has a finite max after chunk 0.
+      // Without a window every row has a finite max after chunk 0. With one, a later query's row may have
+      // none yet (its window starts past this chunk): it takes nothing from the chunk.
+      if (cmax == kNegInf && M[r] == kNegInf) {
+        std::fill(sr, sr + KC, 0.f);
+        continue;
+      }
       const float m_new = std::max(M[r], cmax);
       const float alpha = std::exp(M[r] - m_new);  // exp(-inf) = 0 on the first chunk
       const vf p0 = vexp(s0 - m_new), p1 = vexp(s1 - m_new);
@@ -611,7 +632,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                double scale, const c10::optional<at::Tensor>& k_scale,
-                               const c10::optional<at::Tensor>& v_scale) {
+                               const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
   // K is [num_blocks, Hkv, block_size, D] like V, or, for bf16 caches (kernels/paged_attention.py:
   // k_cache_shape), [num_blocks, Hkv, D/2, block_size, 2]: words of two d for consecutive keys, so one
   // 64-byte load holds a pair of d for 16 keys, as vdpbf16ps takes them.
@@ -665,6 +686,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   a.scale = static_cast<float>(scale);
   a.k_scale = quant ? k_scale->const_data_ptr<float>() : nullptr;
   a.v_scale = quant ? v_scale->const_data_ptr<float>() : nullptr;
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  a.window = window;
+  a.softcap = static_cast<float>(softcap);
   TORCH_CHECK(a.qsl[0] == 0 && a.qsl[B] == T, "query_start_loc must span q");
 
   // Query tile: about TARGET_ROWS rows (queries x group heads) per item.
@@ -680,7 +704,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t i1 = std::min(q_len, i0 + tile_q);
       for (int64_t g = 0; g < Hkv; ++g)
         items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g), static_cast<int32_t>(i0),
-                         static_cast<int32_t>(i1), (i1 - i0) * (ctx0 + i1)});
+                         static_cast<int32_t>(i1),
+                         (i1 - i0) * (window > 0 ? std::min(ctx0 + i1, window + i1 - i0) : ctx0 + i1)});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -713,8 +738,9 @@ namespace pagoda_cpu {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k_scale,
-                           const c10::optional<at::Tensor>& v_scale) {
-  return paged_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale);
+                           const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
+  return paged_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
+                             window, softcap);
 }
 }  // namespace pagoda_cpu
 
@@ -723,7 +749,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> Tensor");
+      "Tensor? v_scale=None, int window=0, float softcap=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
