@@ -22,26 +22,28 @@ from pathlib import Path
 
 import torch
 
-from pagoda.kernels.cpu_extension import _CFLAGS, _LDFLAGS, build_directory, kernel_available
+from pagoda.kernels.cpu_extension import _LDFLAGS, best_build, build_directory, cflags, kernel_available, loaded_build
 from pagoda.kernels.paged_attention import k_cache_shape, k_words
 
 _CPU_SOURCES = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 
 
 def load_other_kernel(source: Path) -> object:
-    """`source` (a paged_attention.cpp) built with the engine's flags under the op namespace pagoda_cmp."""
+    """`source` (a paged_attention.cpp) built with the loaded build's flags under the op namespace pagoda_cmp."""
     from torch.utils import cpp_extension
 
     text = source.read_text()
     text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)\(pagoda,", r"TORCH_LIBRARY\1(pagoda_cmp,", text)
     text = text.replace("namespace pagoda_cpu {", "namespace pagoda_cpu_cmp {")
-    out = build_directory().parent / "attention_cmp"
+    build = loaded_build() or best_build()
+    out = build_directory().parent / f"attention_cmp_{build}"
     out.mkdir(parents=True, exist_ok=True)
     src = out / "paged_attention_cmp.cpp"
     if not src.exists() or src.read_text() != text:
         src.write_text(text)
-    cpp_extension.load(name="pagoda_attention_cmp", sources=[str(src)], extra_cflags=[*_CFLAGS, f"-I{_CPU_SOURCES}"],
-                       extra_ldflags=_LDFLAGS, build_directory=str(out), is_python_module=False, verbose=False)
+    cpp_extension.load(name="pagoda_attention_cmp", sources=[str(src)],
+                       extra_cflags=[*cflags(build), f"-I{_CPU_SOURCES}"], extra_ldflags=_LDFLAGS,
+                       build_directory=str(out), is_python_module=False, verbose=False)
     return torch.ops.pagoda_cmp.paged_attention
 
 

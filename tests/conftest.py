@@ -12,6 +12,38 @@ from tiny_models import build_tiny_model
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--kernels", choices=("auto", "native", "avx2"), default="auto",
+                     help="the build of the C++ CPU kernels this session loads before collecting (auto: the CPU's "
+                          "best); every engine and kernel test then runs it (tests/test_kernels_avx2.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With --kernels native|avx2, load that build first: a process holds one, and `kernels="auto"` engines and the
+    kernel tests' skip marks take the loaded one. A build that fails to load, or loads without its own ISA, stops
+    the session rather than let the tests pass on torch fallbacks."""
+    build = config.getoption("--kernels")
+    if build == "auto":
+        return
+    from pagoda.kernels import cpu_extension
+
+    if not cpu_extension.load(build):
+        raise pytest.UsageError(f"--kernels {build}: the C++ kernels' {build} build did not load")
+    isa = cpu_extension.build_isa()
+    if build == "avx2" and (isa.name != "avx2" or isa.avx512):
+        raise pytest.UsageError(f"--kernels avx2 loaded a build compiled for {sorted(isa.features)}")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.getoption("--kernels") == "auto":
+        return None
+    from pagoda.kernels import cpu_extension
+
+    isa = cpu_extension.build_isa()
+    features = " ".join(sorted(isa.features))
+    return f"pagoda C++ kernels: {cpu_extension.loaded_build()} build, kernel set {isa.name} ({features})"
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
     from pagoda.model.default_model import default_model_path

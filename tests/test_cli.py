@@ -331,6 +331,7 @@ def test_kernel_build_dir_is_per_checkout_and_stable(tmp_path):
     assert da != db  # same sources, two checkouts: torch's build.ninja holds absolute paths
     assert cpu_extension.build_directory(a) == da  # and each checkout keeps its own
     assert da.name.split("-")[0] == db.name.split("-")[0]  # the content part agrees
+    assert cpu_extension.build_directory(a, "avx2") != da  # each target its own library
     next(a.glob("*.cpp")).write_text("// changed\n", encoding="utf-8")
     assert cpu_extension.build_directory(a) != da
 
@@ -341,19 +342,20 @@ def test_kernel_build_says_so_only_when_it_compiles(monkeypatch, tmp_path, capsy
 
     from pagoda.kernels import cpu_extension
 
-    monkeypatch.setattr(cpu_extension, "_state", {"tried": False, "ok": False, "warned": False})
-    monkeypatch.setattr(cpu_extension, "build_directory", lambda: tmp_path)
+    monkeypatch.setattr(cpu_extension, "_loaded", cpu_extension._Loaded())
+    monkeypatch.setattr(cpu_extension, "build_directory", lambda **kw: tmp_path)
     if built:
         (tmp_path / f"{cpu_extension._EXT_NAME}.so").write_bytes(b"")
     calls = []
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
-    cpu_extension._load()
-    assert calls
+    build = cpu_extension.best_build()
+    cpu_extension.load(build)
+    assert calls and cpu_extension.BUILDS[build] in calls[0]["extra_cflags"]
     err = capsys.readouterr().err
     if built:
         assert "compiling" not in err
     else:
-        assert "pagoda: compiling CPU kernels (once, ~1 min)..." in err
+        assert f"pagoda: compiling the CPU kernels' {build} build (once, ~1 min)..." in err
         assert "pagoda: CPU kernels compiled in" in err
 
 

@@ -6,11 +6,10 @@ import torch
 from tiny_models import build_tiny_model
 
 from pagoda import LLM, SamplingParams
-from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.cpu_features import has_avx512
+from pagoda.kernels.cpu_extension import build_isa, kernel_available
 from pagoda.kernels.linear import PANELS_STACK_MAX_M
 
-pytestmark = pytest.mark.skipif(not (kernel_available() and has_avx512()),
+pytestmark = pytest.mark.skipif(not (kernel_available() and build_isa().avx512),
                                 reason="the stack needs the C++ streaming kernels (AVX-512)")
 
 PROMPTS = [{"prompt_token_ids": [5, 9, 33, 100]}, {"prompt_token_ids": list(range(20, 51))},

@@ -54,6 +54,31 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(dtype, tol, monkeypatch):
     torch.testing.assert_close(kernel[0], qkv[0])
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_partial_rope_rotates_the_table_width_as_transformers_phi3(kernel, monkeypatch):
+    """A [max_pos, R/2] table rotates each head's first R dims (pairs i, i + R/2); the other D - R pass through."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    Hq, Hkv, D, R, T = 4, 2, 16, 12, 5
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
+    pos = torch.tensor([0, 3, 7, 8, 20])
+    ang = torch.outer(torch.arange(32).float(), 1.0 / 10000 ** (torch.arange(0, R, 2).float() / R))
+    cos, sin = ang.cos() * 1.2, ang.sin() * 1.2  # LongRoPE scales the table
+    if not kernel:
+        monkeypatch.setattr(fused_ops, "_use_kernel", lambda x, kernel=None: False)
+    out = qkv.clone()
+    fused_ops.rope_(out, pos, cos, sin, Hq, Hkv, D)
+    q = qkv[:, : Hq * D].view(T, Hq, D).transpose(0, 1)
+    k = qkv[:, Hq * D: (Hq + Hkv) * D].view(T, Hkv, D).transpose(0, 1)
+    c, s = torch.cat((cos, cos), -1)[pos], torch.cat((sin, sin), -1)[pos]
+    q_ref, k_ref = apply_rotary_pos_emb(q[None], k[None], c[None], s[None])
+    torch.testing.assert_close(out[:, : Hq * D], q_ref[0].transpose(0, 1).reshape(T, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:, Hq * D: (Hq + Hkv) * D], k_ref[0].transpose(0, 1).reshape(T, -1),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.view(T, -1, D)[:, : Hq + Hkv, R:], qkv.view(T, -1, D)[:, : Hq + Hkv, R:])
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_silu_and_mul(dtype, tol):
     x = torch.randn(6, 2 * 40, dtype=dtype)

@@ -105,7 +105,7 @@ def test_torch_kernels_setting_keeps_every_layer_off_the_cpp_kernels(tiny_llama,
     assert all(not m.kernel for m in model.modules() if hasattr(m, "kernel"))
     assert all(m.matmul.panels is None and not m.matmul.cpp for m in model.modules() if isinstance(m, Linear))
     assert model.attention_layers()[0].k_cache.dim() == 4  # K words are the C++ attention's layout
-    with pytest.raises(ValueError, match="kernels must be one of auto, torch"):
+    with pytest.raises(ValueError, match="kernels must be one of auto, native, avx2, torch"):
         LLM(tiny_llama, tokenizer=default_gguf, kernels="cuda")
 
 

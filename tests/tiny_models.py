@@ -8,7 +8,16 @@ import torch
 
 def build_tiny_model(path: Path, arch: str, **overrides) -> Path:
     """Save a tiny random-weight HF model (safetensors) to `path` and return it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -22,7 +31,20 @@ def build_tiny_model(path: Path, arch: str, **overrides) -> Path:
         model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common))
     elif arch == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
         model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, **{"head_dim": 32, **common}))
+    elif arch == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**phi3_longrope(common)))
     else:
         raise ValueError(arch)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def phi3_longrope(common: dict) -> dict:
+    """A Phi-3 config's keys: LongRoPE with short and long factors that differ, pretraining context 64 (so
+    test prompts sit on either side of it), 3/4 of each head rotated (Phi-4-mini); `common` overrides them."""
+    kw = {"rope_theta": 10000.0, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+          "pad_token_id": None, **common}
+    half = int(kw["hidden_size"] // kw["num_attention_heads"] * kw["partial_rotary_factor"]) // 2
+    kw.setdefault("rope_scaling", {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                                   "long_factor": [1.0 + 1.5 * i for i in range(half)]})
+    return kw

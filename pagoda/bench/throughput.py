@@ -163,6 +163,7 @@ def _progress(msg: str) -> None:
 def _print_report(report: dict[str, Any]) -> None:
     w, ours = report["workload"], report["pagoda"]
     print(f"== pagoda bench throughput: {report['model']} ({report['dtype']}, {report['threads']} threads, "
+          f"CPU kernels {report.get('cpu_kernels', '?')}, "
           f"load average {report['loadavg_1m_at_start']:.1f} at start) ==")
     lengths = (f"prompts {w['input_len_range'][0]}..{w['input_len_range'][1]} " if w["dataset"] == "chat" else "")
     print(f"workload: {w['dataset']}, {w['num_prompts']} requests, {lengths}({w['prompt_tokens']} prompt tokens), "
@@ -240,6 +241,7 @@ def main(args: argparse.Namespace) -> int:
         "model": engine.files.source,
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "cpu_kernels": engine.runner.policy.kernel_set,
         # Other processes on the machine skew every figure; the 1-minute load average flags it.
         "loadavg_1m_at_start": load_at_start,
         "workload": {"dataset": getattr(args, "dataset", "chat"), "num_prompts": len(requests),

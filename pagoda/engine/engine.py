@@ -68,7 +68,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         # The prefix cache's hash root covers what changes the KV: the model file and the KV dtype.
         namespace = f"{self.files.source}|{self.dtype}|kv={config.cache.kv_cache_dtype}|q={config.quantization}"
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, namespace)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, namespace,
+                                 sliding_window=self.args.kv_window)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
@@ -114,7 +115,7 @@ class LLMEngine:
         if max_tokens > room:
             raise ValueError(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                              f"max_model_len {self.max_model_len}")
-        need = self.kv.blocks_needed(len(ids) + max_tokens)
+        need = self.kv.max_blocks_held(len(ids) + max_tokens, self.config.scheduler.max_num_batched_tokens)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt ({len(ids)}) plus max_tokens ({max_tokens}) needs {need} KV blocks but the "
                              f"pool has only {self.kv.pool.num_blocks}: raise kv_cache_memory or lower max_tokens")

@@ -65,8 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-outputs-jump-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="append the text a grammar forces in one step instead of one step per token (default on)")
     p.add_argument("--kernels", default=None, choices=list(KERNELS),
-                   help="auto: Pagoda's C++ CPU kernels where they build, else torch; torch: torch ops only "
-                        "(default auto)")
+                   help="auto: the best build of Pagoda's C++ CPU kernels for this CPU, else torch; native: the "
+                        "-march=native build; avx2: the x86-64-v3 build (AVX2+FMA, no AVX-512); torch: torch ops "
+                        "only (default auto)")
     p.add_argument("--int4-activations", default=None, choices=list(INT4_ACTIVATIONS),
                    help="int8: INT4 weights compute with INT8 activations (VNNI; faster, slightly higher "
                         "perplexity; see docs/benchmarks.md) (default float)")

@@ -14,6 +14,7 @@ from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
 from pagoda.kernels.paged_attention import k_cache_shape
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles
 from pagoda.model.registry import model_class
@@ -76,14 +77,15 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         t0 = time.perf_counter()
+        # The longest context served (the engine checks it against the model's); LongRoPE picks its factors by it.
+        max_model_len = config.scheduler.max_model_len or args.max_position_embeddings
         with torch.device("meta"):
-            model = model_class(args)(args)
+            model = model_class(args)(args, max_model_len)
         model = model.to_empty(device=self.device).to(dtype)
         # Non-persistent buffers (rope tables) were never materialized on meta: rebuild them.
         for m in model.modules():
-            if hasattr(m, "cos") and hasattr(m, "sin"):
-                fresh = type(m)(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
-                m.cos, m.sin = fresh.cos.to(self.device), fresh.sin.to(self.device)
+            if isinstance(m, RotaryEmbedding):
+                m.materialize(self.device)
         # Weights as stored, or quantized by config.quantization (ties lm_head to the embedding).
         plan = load_plan(files, dtype, config.quantization, config.quantization_group_size,
                          functools.partial(is_linear_weight, model))

@@ -16,16 +16,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-@functools.cache  # asked per op call by the fused ops
+@functools.cache
 def has_avx512() -> bool:
-    """The kernels are built with -march=native: their vector paths need AVX-512 (F and BW)."""
+    """AVX-512 F and BW: the kernels' native build has its AVX-512 paths here (cpu_extension.best_build).
+    What a loaded build runs is cpu_extension.build_isa(), not this."""
     return {"avx512f", "avx512bw"} <= cpu_flags()
 
 
 @functools.cache
 def has_avx512_bf16() -> bool:
-    """The bf16 vector paths (panel GEMMs, K-word attention) use AVX512-BF16's dot products."""
+    """AVX512-BF16's dot products (the native build's panel GEMMs and K-word attention use them)."""
     return "avx512_bf16" in cpu_flags()
+
+
+@functools.cache
+def has_x86_64_v3() -> bool:
+    """x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE): the CPU runs the kernels' avx2 build."""
+    return {"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"} <= cpu_flags()
 
 
 @functools.cache

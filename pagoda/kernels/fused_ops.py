@@ -8,18 +8,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.cpu_features import has_avx512
+from pagoda.kernels.cpu_extension import build_isa, kernel_available
 from pagoda.kernels.kv_quant import quantize_kv
 
-# With AVX-512 the C++ ops are vectorized and row-parallel: faster than torch's at every size measured
-# (RMSNorm with the residual add and silu_and_mul, from 8 to 512 rows), and they round where HF's unfused
-# ops do. Without it their scalar loops only win where op count dominates (decode, a few rows).
+# With AVX-512 (in the loaded build: cpu_extension.build_isa) the C++ ops are vectorized and row-parallel:
+# faster than torch's at every size measured (RMSNorm with the residual add and silu_and_mul, from 8 to 512
+# rows), and they round where HF's unfused ops do. Without it (the avx2 build) their scalar loops only win
+# where op count dominates (decode, a few rows).
 _MAX_ROWS_SCALAR = 8
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
-    return x.shape[0] <= _MAX_ROWS_SCALAR or has_avx512()
+    return x.shape[0] <= _MAX_ROWS_SCALAR or build_isa().avx512
 
 
 def _use_kernel(x: torch.Tensor, kernel: bool | None = None) -> bool:
@@ -45,16 +45,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           num_heads: int, num_kv_heads: int, head_dim: int, kernel: bool | None = None) -> None:
-    """Rotate (rotate-half layout) the q and k heads of fused qkv rows [T, (Hq+2Hkv)*D] in place."""
+    """Rotate (rotate-half layout) the q and k heads of fused qkv rows [T, (Hq+2Hkv)*D] in place. cos/sin are
+    [max_pos, R/2]: the first R dims of each head rotate, the rest pass through (partial rotary; R = D mostly)."""
     if _use_kernel(qkv, kernel) and qkv.stride(1) == 1:
         torch.ops.pagoda.rope_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
         return
     T = qkv.shape[0]
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(T, -1, head_dim)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    half = head_dim // 2
-    x1, x2 = qk[..., :half].float(), qk[..., half:].float()
-    qk.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+    half = cos.shape[1]
+    x1, x2 = qk[..., :half].float(), qk[..., half: 2 * half].float()
+    qk[..., : 2 * half] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:

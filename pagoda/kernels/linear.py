@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.cpu_features import has_avx512, has_avx512_bf16
+from pagoda.kernels.cpu_extension import build_isa
 
 SMALL_M = 8  # rows up to which the streaming kernel beats oneDNN/MKL (decode batches)
 PANEL = 16  # output columns per panel of packed_linear's layout
@@ -24,15 +23,11 @@ PANELS_STACK_MAX_M = 1 << 30
 
 
 def vector_kernels(dtype: torch.dtype) -> bool:
-    """Whether the C++ linear kernels (built with -march=native) run `dtype` here: AVX-512 for fp32,
-    AVX512-BF16 for bf16."""
+    """Whether the loaded build of the C++ linear kernels runs `dtype`: they need AVX-512 for fp32 and
+    AVX512-BF16 for bf16 (the avx2 build has neither: oneDNN runs its linears)."""
     if dtype == torch.bfloat16:
-        ok = has_avx512_bf16()
-    elif dtype == torch.float32:
-        ok = has_avx512()
-    else:
-        return False
-    return ok and kernel_available()
+        return build_isa().avx512_bf16
+    return dtype == torch.float32 and build_isa().avx512
 
 
 def small_m_supported(dtype: torch.dtype, in_features: int) -> bool:

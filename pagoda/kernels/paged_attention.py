@@ -22,17 +22,16 @@ import logging
 
 import torch
 
-from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.cpu_features import has_avx512_bf16
+from pagoda.kernels.cpu_extension import build_isa, kernel_available
 
 logger = logging.getLogger(__name__)
 _warned = False
 
 
 def k_words_supported(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """Whether a K cache of this dtype and shape is stored as words: bf16, on a CPU whose kernel takes them."""
-    return (dtype == torch.bfloat16 and block_size % 16 == 0 and head_dim % 32 == 0
-            and has_avx512_bf16() and kernel_available())
+    """Whether a K cache of this dtype and shape is stored as words: bf16, where the loaded build's kernel
+    takes them (AVX512-BF16)."""
+    return dtype == torch.bfloat16 and block_size % 16 == 0 and head_dim % 32 == 0 and build_isa().avx512_bf16
 
 
 def k_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,

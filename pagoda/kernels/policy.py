@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda.kernels.cpu_features import has_avx512, has_avx512_bf16
-
-KERNELS = ("auto", "torch")
+# auto: the C++ kernels' best build for this CPU (or the one this process already loaded), else torch;
+# native / avx2: that build of the kernels (cpu_extension.BUILDS), an error where it cannot run; torch: torch only.
+KERNELS = ("auto", "native", "avx2", "torch")
 INT4_ACTIVATIONS = ("float", "int8")
 
 
@@ -19,20 +19,27 @@ class KernelPolicy:
 
     @classmethod
     def resolve(cls, kernels: str = "auto", int4_activations: str = "float") -> KernelPolicy:
-        """`kernels`: auto (the C++ kernels where they build, else torch) or torch (torch ops only)."""
-        from pagoda.kernels.cpu_extension import kernel_available  # imports torch: the CLI reads the names first
+        """`kernels` (KERNELS): loads the C++ build it names, once per process (kernels/cpu_extension.py)."""
+        from pagoda.kernels.cpu_extension import load  # imports torch: the CLI reads the names first
 
         check_kernels(kernels, int4_activations)
-        return cls(cpp=kernels == "auto" and kernel_available(), int4_activations=int4_activations)
+        if kernels == "torch":
+            return cls(cpp=False, int4_activations=int4_activations)
+        if kernels == "auto":
+            return cls(cpp=load(), int4_activations=int4_activations)
+        if not load(kernels):  # asked for by name: a silent torch fallback would hide that it never ran
+            raise RuntimeError(f"kernels={kernels!r}: the C++ kernels' {kernels} build did not load (see the warning "
+                               "above)")
+        return cls(cpp=True, int4_activations=int4_activations)
 
     @property
     def kernel_set(self) -> str:
         """Which kernels run, in a word or two: what the start-up log line and /version say."""
         if not self.cpp:
             return "torch fallback"
-        if has_avx512_bf16():
-            return "avx512_bf16"
-        return "avx512" if has_avx512() else "scalar C++ (no AVX-512 paths)"
+        from pagoda.kernels.cpu_extension import build_isa
+
+        return build_isa().name
 
 
 TORCH_ONLY = KernelPolicy(cpp=False)

@@ -260,8 +260,7 @@ def cpp_supported(pw: PackedWeight) -> bool:
     k, g = pw.in_features, pw.group_size
     if pw.layout == "panels16":
         return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_panels_supported(k, g)
-    return k % 32 == 0 and g % 32 == 0 and k % g == 0 and pw.data.device.type == "cpu" and kernel_available() \
-        and hasattr(torch.ops.pagoda, "quant_linear")
+    return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_linear_supported(k, g)
 
 
 # Above this many rows the weight is dequantized (C++, to the activation dtype) and multiplied by

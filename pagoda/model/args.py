@@ -23,6 +23,9 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    # Each layer's sliding window: a query at p attends to keys (p - w, p]; 0 for a layer that sees every key.
+    layer_windows: list[int] = field(default_factory=list)
+    partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates (Phi-4-mini: 0.75)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -34,7 +37,8 @@ class ModelArgs:
         if not archs:
             mt = cfg.get("model_type", "")
             archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
-                     "mistral": ["MistralForCausalLM"]}.get(mt, [])
+                     "mistral": ["MistralForCausalLM"], "phi3": ["Phi3ForCausalLM"],
+                     "gemma2": ["Gemma2ForCausalLM"], "gemma3_text": ["Gemma3ForCausalLM"]}.get(mt, [])
         if not archs:
             raise ValueError("config.json has neither 'architectures' nor a known 'model_type'")
         missing = [k for k in _REQUIRED if k not in cfg]
@@ -59,10 +63,19 @@ class ModelArgs:
             rope_scaling = cfg.get("rope_scaling")
             rope_theta = cfg.get("rope_theta")
             rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta/scaling here
+            if isinstance(rope_params, dict) and isinstance(rope_params.get("full_attention"), dict):
+                rope_params = rope_params["full_attention"]  # one per layer type (Gemma 3): the global layers'
             if isinstance(rope_params, dict):
                 rope_theta = rope_theta or rope_params.get("rope_theta")
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
+            max_positions = _size(cfg, "max_position_embeddings", 2048)
+            partial = 1.0
+            if arch == "Phi3ForCausalLM":  # the Llama family ignores partial_rotary_factor; transformers' Phi3 reads it
+                rp = rope_params if isinstance(rope_params, dict) else {}
+                partial = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+                if isinstance(rope_scaling, dict):
+                    rope_scaling = _phi3_rope_scaling(cfg, rope_scaling)
             args = cls(
                 architecture=arch,
                 vocab_size=_size(cfg, "vocab_size"),
@@ -72,15 +85,17 @@ class ModelArgs:
                 num_heads=heads,
                 num_kv_heads=kv_heads,
                 head_dim=head_dim,
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(rope_theta or 10000.0),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch in _GEMMA else 1e-5)),
+                rope_theta=float(rope_theta or (1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0)),
                 rope_scaling=rope_scaling,
-                max_position_embeddings=_size(cfg, "max_position_embeddings", 2048),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                max_position_embeddings=max_positions,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                partial_rotary_factor=partial,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                layer_windows=_layer_windows(cfg, arch),
                 hf_config=cfg,
             )
         except (TypeError, ValueError) as e:  # a list where a number belongs, a non-numeric string
@@ -91,8 +106,67 @@ class ModelArgs:
             raise ValueError(f"bad config value: rms_norm_eps = {args.rms_norm_eps} (must be >= 0)")
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
             raise ValueError(f"bad config value: rope_scaling = {rope_scaling!r} (must be an object)")
+        if not (0 < args.partial_rotary_factor <= 1 and args.rotary_dim >= 2 and args.rotary_dim % 2 == 0):
+            raise ValueError(f"bad config value: partial_rotary_factor = {args.partial_rotary_factor} (must rotate "
+                             f"an even number >= 2 of the head's {head_dim} dims)")
         return args
 
+    def __post_init__(self) -> None:
+        if not self.layer_windows:  # built by hand (tests, tools): every layer global
+            self.layer_windows = [0] * self.num_layers
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer has the same one (the KV manager may then free blocks behind it);
+        None when some layer reads the whole context."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and 0 not in windows else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head RoPE rotates: int(head_dim * factor) as in transformers, with a
+        margin for a factor read back as rotary dims / head_dim (a GGUF's rope.dimension_count)."""
+        return int(self.head_dim * self.partial_rotary_factor + 1e-6)
+
+
+def _phi3_rope_scaling(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's rope_scaling as transformers' Phi3Config reads it: "su" and "yarn" are LongRoPE, and the top-level
+    original_max_position_embeddings (Phi3Config's default 4096) overrides the dict's."""
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("su", "yarn", "longrope"):
+        scaling["rope_type"] = scaling["type"] = "longrope"
+        scaling["original_max_position_embeddings"] = int(cfg.get("original_max_position_embeddings") or 4096)
+    return scaling
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:
+    """Per layer, its sliding window or 0, as transformers applies `sliding_window`: to the layers `layer_types`
+    marks "sliding_attention" (Qwen2/Qwen3 build it from use_sliding_window and max_window_layers), and to every
+    layer of Mistral and Phi-3 when it is set. Gemma configs without `layer_types` follow their pattern: Gemma 2
+    alternates sliding and global from layer 0, Gemma 3 has `sliding_window_pattern` - 1 sliding layers (5 by
+    default) before each global one."""
+    layers = _size(cfg, "num_hidden_layers")
+    window = cfg.get("sliding_window", 4096 if arch in _GEMMA else None)  # Gemma's configs default to 4096
+    if window is None:
+        return [0] * layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"bad config value: sliding_window = {window!r} (must be a positive integer or null)")
+    types = cfg.get("layer_types")
+    if types is None and arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(cfg.get("max_window_layers") or 0) if cfg.get("use_sliding_window") else layers
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None and arch in _GEMMA:
+        period = 2 if arch == "Gemma2ForCausalLM" else _size(cfg, "sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    if types is None:
+        return [window if arch in ("MistralForCausalLM", "Phi3ForCausalLM") else 0] * layers
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"bad config value: layer_types must list one type per layer ({layers})")
+    return [window if t == "sliding_attention" else 0 for t in types]
+
+
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (1 + w) norms, tied embeddings by default (model/gemma.py)
 
 _REQUIRED = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
 
@@ -101,7 +175,7 @@ _REQUIRED = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_s
 # allocated. max_position_embeddings sizes the rotary cos/sin tables.
 _LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
            "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
-           "head_dim": 1024, "max_position_embeddings": 1 << 20}
+           "head_dim": 1024, "max_position_embeddings": 1 << 20, "sliding_window_pattern": 1024}
 
 
 def _size(cfg: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -42,7 +42,7 @@ _MAX_ARRAY_DEPTH = 4   # nested metadata arrays: real files use none; bounded so
 
 # GGUF architecture -> (HF architectures entry, HF model_type).
 SUPPORTED_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                   "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+                   "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3")}
 
 
 class SkippedStrings:
@@ -329,6 +329,8 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
         if orig is not None:
             rs["original_max_position_embeddings"] = orig
         cfg["rope_scaling"] = rs
+    if arch == "phi3":
+        _phi3_attention(g, cfg)
     eos = _field_int(g, "tokenizer.ggml.eos_token_id")
     eot = _field_int(g, "tokenizer.ggml.eot_token_id")
     cfg["bos_token_id"] = _field_int(g, "tokenizer.ggml.bos_token_id")
@@ -339,25 +341,60 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
     return cfg
 
 
+def _phi3_attention(g: GGUFFile, cfg: dict[str, Any]) -> None:
+    """Phi-3's attention facts as llama.cpp's converter writes them: rope.dimension_count (partial rotary), the
+    pretraining context as rope.scaling.original_context_length, LongRoPE's per-frequency factors as the tensors
+    rope_factors_short/long (no rope.scaling.type) with the attention factor as rope.scaling.attn_factor, and
+    attention.sliding_window."""
+    window = _meta_int(g, "attention.sliding_window")
+    if window:  # Phi-3-mini-4k's 2047; 0 marks none (Phi-4)
+        cfg["sliding_window"] = window
+    rot = _meta_int(g, "rope.dimension_count")
+    if rot is not None and cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = rot / cfg["head_dim"]
+    orig = _meta_int(g, "rope.scaling.original_context_length")
+    if orig is not None:
+        cfg["original_max_position_embeddings"] = orig
+    present = [n for n in _PHI3_ROPE_FACTORS.values() if n in g.tensors]
+    if not present:
+        return  # Phi-3-mini-4k: plain RoPE
+    if len(present) < 2:
+        raise ModelFileError(g.path, f"GGUF has {present[0]} without its pair "
+                                     f"({' and '.join(_PHI3_ROPE_FACTORS.values())} come together)")
+    # original_max_position_embeddings reaches the dict from the top level, as for an HF config (ModelArgs).
+    rs: dict[str, Any] = {"rope_type": "longrope", "type": "longrope"}
+    for key, name in _PHI3_ROPE_FACTORS.items():
+        rs[key] = [float(f) for f in g.dequantized(name).reshape(-1)]
+    if _meta(g, "rope.scaling.attn_factor") is not None:
+        rs["attention_factor"] = _meta_float(g, "rope.scaling.attn_factor", 1.0)
+    cfg["rope_scaling"] = rs
+
+
+_PHI3_ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+
 _LAYER_MAP = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's per-head norms
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q|k|v in one matrix, as in its HF checkpoint
 }
+# Where an arch gives a name another meaning: llama.cpp's Phi-3 stores gate|up fused under ffn_up.
+_ARCH_LAYER_MAP = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Tensors that carry no HF parameter (llama3 rope frequencies are folded into the rope config).
-IGNORED_TENSORS = {"rope_freqs.weight"}
+# Tensors that carry no HF parameter (llama3 rope frequencies and Phi-3's LongRoPE factors are folded into
+# the rope config).
+IGNORED_TENSORS = {"rope_freqs.weight", *_PHI3_ROPE_FACTORS.values()}
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name; None when there is no equivalent."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """HF parameter name for a GGUF tensor name of architecture `arch`; None when there is no equivalent."""
     m = _BLK_RE.match(name)
     if m:
         layer, part, kind = m.groups()
-        hf = _LAYER_MAP.get(part)
+        hf = _ARCH_LAYER_MAP.get(arch, {}).get(part) or _LAYER_MAP.get(part)
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     stem, _, kind = name.rpartition(".")
     hf = _TOP_MAP.get(stem)
@@ -370,7 +407,7 @@ def hf_tensor_names(g: GGUFFile) -> dict[str, str]:
     for name in g.tensors:
         if name in IGNORED_TENSORS:
             continue
-        hf = gguf_to_hf_name(name)
+        hf = gguf_to_hf_name(name, g.architecture)
         if hf is None:
             raise ModelFileError(g.path, f"GGUF tensor {name!r} has no known HF equivalent "
                                          f"for arch {g.architecture!r}")

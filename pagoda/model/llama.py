@@ -1,6 +1,7 @@
-"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a flat varlen batch.
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3, Phi-3) over a flat varlen batch.
 
-Projections are fused at load (q|k|v and gate|up) so a layer runs three matmuls, not seven.
+Projections are fused at load (q|k|v and gate|up) so a layer runs three matmuls, not seven; Phi-3's
+checkpoints store them fused already, and load as they are.
 """
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ from pagoda.model.args import ModelArgs
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: ModelArgs, rope: RotaryEmbedding) -> None:
+    def __init__(self, a: ModelArgs, rope: RotaryEmbedding, window: int = 0) -> None:
         super().__init__()
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
         self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
         self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.attention_bias and not _is_qwen2(a))
-        self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim)
+        self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, sliding_window=window)
         self.rope = rope
         self.head_dim = a.head_dim
         # Qwen3: each q and k head is RMS-normalized (its own weight over head_dim) before RoPE.
@@ -67,9 +68,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, rope: RotaryEmbedding) -> None:
+    def __init__(self, a: ModelArgs, rope: RotaryEmbedding, window: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a, rope)
+        self.self_attn = LlamaAttention(a, rope, window)
         self.mlp = LlamaMLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -94,12 +95,15 @@ class LlamaForCausalLM(nn.Module):
     # Fused Linear -> the HF projections it holds, in order along its output rows (vLLM's packed_modules_mapping).
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelArgs, max_model_len: int | None = None) -> None:
+        """`max_model_len`: the longest context served (None: max_position_embeddings); LongRoPE's factor
+        set depends on it (layers/rotary.py)."""
         super().__init__()
         self.args = a
-        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling, a.rotary_dim,
+                               max_model_len)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope, w) for w in a.layer_windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
@@ -196,9 +200,14 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         return loaded
 
+    @staticmethod
+    def weight_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
+        """Every weight a checkpoint of this config holds (the module function below; loader.py checks files by it)."""
+        return weight_shapes(a)
+
     def check_weights(self, loaded: set[str]) -> None:
         """Raise unless every weight a checkpoint of this config holds was loaded (HF names, any prefix)."""
-        missing = weight_shapes(self.args).keys() - {n.removeprefix("model.") for n in loaded}
+        missing = self.weight_shapes(self.args).keys() - {n.removeprefix("model.") for n in loaded}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
 
@@ -209,11 +218,14 @@ def weight_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (a.vocab_size, h), "norm.weight": (h,)}
     if not a.tie_word_embeddings:
         shapes["lm_head.weight"] = (a.vocab_size, h)
-    layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-             "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
-             "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
+    layer = {"self_attn.o_proj.weight": (h, q), "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
              "post_attention_layernorm.weight": (h,)}
+    if a.architecture == "Phi3ForCausalLM":  # stored fused, in the order Pagoda's fused Linears hold them
+        layer |= {"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * inter, h)}
+    else:
+        layer |= {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                  "self_attn.v_proj.weight": (kv, h), "mlp.gate_proj.weight": (inter, h),
+                  "mlp.up_proj.weight": (inter, h)}
     if a.qk_norm:
         layer |= {"self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)}
     if a.attention_bias:

@@ -186,13 +186,18 @@ def resolve_model_files(path: str | None) -> ModelFiles:
 def _checked_args(cfg: dict[str, Any], path: str, origin: str = "") -> ModelArgs:
     """ModelArgs of `cfg`; a missing key or a bad value (sizes, rope_scaling) as a ModelFileError naming `path`."""
     from pagoda.layers.rotary import rope_inv_freq
+    from pagoda.model.registry import model_class
 
     try:
         args = ModelArgs.from_hf_config(cfg)
     except ValueError as e:
         raise ModelFileError(path, f"{origin}{e}") from None
+    try:
+        model_class(args)
+    except ValueError:
+        return args  # an unsupported architecture: the model runner refuses it by name, not by its rope
     try:  # the model builds its rotary tables from these: an unknown or incomplete rope_scaling fails here
-        rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+        rope_inv_freq(args.rotary_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
     except KeyError as e:
         raise ModelFileError(path, f"{origin}bad config value: rope_scaling lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -227,18 +232,17 @@ def check_checkpoint(files: ModelFiles, args: ModelArgs) -> None:
 
     Only headers are read, so a config claiming sizes its checkpoint lacks (hidden_size=100000 beside a
     tiny model) fails in milliseconds instead of allocating the model it describes."""
-    from pagoda.model.llama import weight_shapes
     from pagoda.model.registry import model_class
 
     qc = files.hf_config.get("quantization_config")
     int4 = isinstance(qc, dict) and qc.get("quant_method") == "pagoda"
     try:
-        model_class(args)
+        cls = model_class(args)
     except ValueError:
         return  # an unsupported architecture: the model runner says so when it builds the model
     if qc is not None and not int4:
         return  # a foreign quantization format: the quantized loader refuses it with its own message
-    expected = weight_shapes(args)
+    expected = cls.weight_shapes(args)  # type: ignore[attr-defined]
     config = "config.json" if files.kind == "hf" else "the GGUF metadata"
     dims = (f"vocab_size={args.vocab_size} hidden_size={args.hidden_size} intermediate_size="
             f"{args.intermediate_size} num_attention_heads={args.num_heads} num_key_value_heads="

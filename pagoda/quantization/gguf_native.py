@@ -55,7 +55,7 @@ def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple
     for name, info in g.tensors.items():
         if name in IGNORED_TENSORS:
             continue
-        hf = gguf_to_hf_name(name)
+        hf = gguf_to_hf_name(name, g.architecture)
         if hf is None:
             raise ValueError(f"{g.path}: GGUF tensor {name!r} has no known HF equivalent")
         n_head = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else 0

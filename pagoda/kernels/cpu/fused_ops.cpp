@@ -96,13 +96,16 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
 }
 
 // In-place rotary embedding (rotate-half layout) on the q and k heads of a fused qkv row.
-// qkv: [T, (Hq + 2*Hkv) * D]; cos/sin: fp32 [max_pos, D/2]; positions: int64 [T].
+// qkv: [T, (Hq + 2*Hkv) * D]; cos/sin: fp32 [max_pos, R/2]; positions: int64 [T]. The table's width sets the
+// rotary dims R: the first R of each head rotate (pairs i, i + R/2), the other D - R pass through (partial
+// rotary, Phi-4-mini); R = D for most models.
 void rope_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope: qkv must be [T, W] contiguous in W");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "rope: positions int64");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "rope: cos/sin fp32");
-  const int64_t T = qkv.size(0), half = head_dim / 2, heads = num_heads + num_kv_heads, stride = qkv.stride(0);
+  TORCH_CHECK(cos.dim() == 2 && 2 * cos.size(1) <= head_dim, "rope: cos/sin must be [max_pos, R/2] with R <= head_dim");
+  const int64_t T = qkv.size(0), half = cos.size(1), heads = num_heads + num_kv_heads, stride = qkv.stride(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

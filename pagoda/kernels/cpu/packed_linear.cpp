@@ -28,9 +28,10 @@ namespace {
 using pagoda_panels::kPanel;
 using pagoda_panels::kStrip;
 using pagoda_panels::kTilePanels;
-using pagoda_panels::tile;
 
 #if defined(__AVX512F__)
+using pagoda_panels::tile;
+
 // `next`: the following column tile's weights (or null), prefetched into L2 during the first strip.
 template <typename T, int NP>
 void column_tile(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t N, const T* next) {

@@ -435,11 +435,11 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 
   // Over a bf16 cache both groups of 16 keys of a chunk lie within one block each (block_size % 16 == 0):
   // K words start at kw[g], V row j is vseg[j / 16] + (j % 16) * stride. No table of row pointers (a
-  // block lookup per key cost as much as the chunk's dot products).
-  const uint32_t* kw[KC / 16];
+  // block lookup per key cost as much as the chunk's dot products). Unused in builds without AVX512-BF16.
+  [[maybe_unused]] const uint32_t* kw[KC / 16];
   const uint16_t* vseg[KC / 16];
   const int64_t vs2 = a.vc_s2;
-  const auto vrow_seg = [&](int j) { return vseg[j >> 4] + (j & 15) * vs2; };
+  [[maybe_unused]] const auto vrow_seg = [&](int j) { return vseg[j >> 4] + (j & 15) * vs2; };
 
   for (int64_t c0 = kv_begin; c0 < kv_end; c0 += KC) {
     const int nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0));

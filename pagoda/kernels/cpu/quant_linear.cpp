@@ -553,6 +553,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? offsets, Tensor? bias, int fmt, int group_size) "
         "-> Tensor");
   m.def("int4x8_supported(int K, int group_size) -> bool", &int4x8_supported);  // no tensors: no dispatch key
+  m.def("quant_linear_supported(int K, int group_size) -> bool", &quant_linear_supported);  // false without AVX-512
   m.def("quant_dequantize(Tensor w, Tensor scales, Tensor? offsets, int fmt, int group_size, int K, ScalarType dtype) "
         "-> Tensor");
 }

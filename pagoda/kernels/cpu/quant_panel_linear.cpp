@@ -269,7 +269,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, c
   const at::Tensor xo = x_in.contiguous();
   // The direct path's x: for INT8 halves [16 x | x], one column per column of the codes.
   const at::Tensor x = halves && !dequantized ? at::cat(std::vector<at::Tensor>{at::mul(xo, 16), xo}, 1) : xo;
-  const int64_t G = K / group_size, Gs = Kx / group_size;  // groups of the codes, of the scales
+  [[maybe_unused]] const int64_t G = K / group_size;  // groups of the codes (the kernel's; none without it)
+  const int64_t Gs = Kx / group_size;                 // groups of the scales
   auto check_groups = [&](const at::Tensor& t, const char* what) {
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == P &&
                     t.size(1) == Gs && t.size(2) == kPanel,

@@ -89,7 +89,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::o
   if (bias.has_value()) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "small_m_linear: bias");
   auto y = at::empty({M, N}, x.options());
   // ~64 rows per task keeps both threads streaming long contiguous runs of the weight.
-  constexpr int64_t grain = 64;
+  [[maybe_unused]] constexpr int64_t grain = 64;  // (no kernel in builds without AVX-512)
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
