@@ -68,10 +68,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, rope: RotaryEmbedding, window: int = 0) -> None:
+    def __init__(self, a: ModelArgs, rope: RotaryEmbedding, window: int = 0, mlp: nn.Module | None = None) -> None:
+        """`mlp`: the layer's MLP where it is not LlamaMLP (a MoE model's sparse block, model/moe.py)."""
         super().__init__()
         self.self_attn = LlamaAttention(a, rope, window)
-        self.mlp = LlamaMLP(a)
+        self.mlp = LlamaMLP(a) if mlp is None else mlp
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -94,6 +95,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Fused Linear -> the HF projections it holds, in order along its output rows (vLLM's packed_modules_mapping).
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # A part of an HF weight name -> the module it names here, where the names differ (Mixtral's experts).
+    hf_renames: dict[str, str] = {}
 
     def __init__(self, a: ModelArgs, max_model_len: int | None = None) -> None:
         """`max_model_len`: the longest context served (None: max_position_embeddings); LongRoPE's factor
@@ -103,12 +106,25 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling, a.rotary_dim,
                                max_model_len)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope, w) for w in a.layer_windows)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope, w, self._mlp(a, i))
+                                    for i, w in enumerate(a.layer_windows))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.stack: DecoderStack | None = None  # the layers as one C++ op for few-row steps (prepare())
+
+    def _mlp(self, a: ModelArgs, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP where it is not LlamaMLP (None): a MoE model's sparse blocks (model/moe.py)."""
+        return None
+
+    def module_path(self, hf_name: str) -> str:
+        """An HF weight or module name as the path of what it loads into here, before fusion: without
+        "model.", each dotted part renamed by `hf_renames`."""
+        name = hf_name.removeprefix("model.")
+        if not self.hf_renames:
+            return name
+        return ".".join(self.hf_renames.get(part, part) for part in name.split("."))
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -139,11 +155,6 @@ class LlamaForCausalLM(nn.Module):
                 m.prepare(act_dtype, policy)
             elif hasattr(m, "kernel"):  # norms, rope, attention, MLP: fused C++ ops or torch
                 m.kernel = use_kernels
-            # Submodules and parameters also into the instance dict: nn.Module.__getattr__ (a Python
-            # function, ~600 calls a decode step) is then never reached. Registration is unchanged,
-            # and nn.Module.__setattr__ drops these entries if a name is ever reassigned.
-            m.__dict__.update(m._modules)
-            m.__dict__.update(m._parameters)
         if shared:
             self.embed_tokens.pw = self.lm_head.qweight
         self.stack = self._decoder_stack() if use_kernels else None
@@ -170,14 +181,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         a = self.args
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size,
-                 "gate_proj": a.intermediate_size, "up_proj": a.intermediate_size}
-        fused: dict[str, tuple[str, int, int]] = {}  # HF part -> (fused Linear, row offset, rows)
-        for target, parts in self.packed_modules.items():
-            offset = 0
-            for part in parts:
-                fused[part] = (target, offset, sizes[part])
-                offset += sizes[part]
+        sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}  # other parts (gate|up): equal shares
+        fused = {part: (target, parts) for target, parts in self.packed_modules.items() for part in parts}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -185,15 +190,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and a.tie_word_embeddings:
                 continue
-            target, offset, size = name, 0, None
-            for part, (packed, off, sz) in fused.items():
-                if f".{part}." in name:
-                    target, offset, size = name.replace(part, packed), off, sz
-                    break
+            target = self.module_path(name)
+            part = next((q for q in fused if f".{q}." in target), None)
+            if part is not None:
+                target = target.replace(f".{part}.", f".{fused[part][0]}.")
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             p = params[target]
-            dst = p.data if size is None else p.data.narrow(0, offset, size)
+            dst = p.data
+            if part is not None:  # its slice of the fused rows
+                parts = fused[part][1]
+                rows = [sizes.get(q, p.shape[0] // len(parts)) for q in parts]
+                i = parts.index(part)
+                dst = dst.narrow(0, sum(rows[:i]), rows[i])
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
             dst.copy_(tensor)
