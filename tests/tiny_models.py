@@ -48,3 +48,28 @@ def phi3_longrope(common: dict) -> dict:
     kw.setdefault("rope_scaling", {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
                                    "long_factor": [1.0 + 1.5 * i for i in range(half)]})
     return kw
+
+
+def build_tiny_moe(path: Path, arch: str, **overrides) -> Path:
+    """Save a tiny random-weight mixture-of-experts model (safetensors): `arch` "mixtral" (8 experts of 96, top 2,
+    2 layers) or "qwen3_moe" (8 experts of 64, top 2, renormalized; 3 layers, the middle one a dense MLP of 128;
+    head_dim 32 apart from hidden / heads); `overrides` replace config keys."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    if arch == "mixtral":
+        cfg = MixtralConfig(**{**common, "intermediate_size": 96, "num_hidden_layers": 2, "num_local_experts": 8,
+                               "rope_theta": 10000.0, **overrides})
+        model = MixtralForCausalLM(cfg)
+    elif arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{**common, "intermediate_size": 128, "moe_intermediate_size": 64, "num_experts": 8,
+                                "num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True,
+                                "head_dim": 32, "rope_theta": 1000000.0, **overrides})
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

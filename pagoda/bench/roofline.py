@@ -66,15 +66,19 @@ def measure_roofline(dtype: torch.dtype) -> Roofline:
 
 # ---- model cost ----------------------------------------------------------------------------------
 def non_embedding_params(args: ModelArgs) -> int:
-    """Parameters a token passes through between the embedding and the LM head (linears, biases, norms)."""
+    """Parameters a token passes through between the embedding and the LM head (linears, biases, norms); in a
+    mixture-of-experts layer, the router and the top-k experts it chooses (the active parameters)."""
     h, d = args.hidden_size, args.head_dim
     q, kv = args.num_heads * d, args.num_kv_heads * d
     attn = h * q + 2 * h * kv + q * h
     if args.attention_bias:
         attn += q + 2 * kv
     mlp = 3 * h * args.intermediate_size  # gate, up, down
-    norms = 2 * h
-    return args.num_layers * (attn + mlp + norms) + h  # + final norm
+    norms = 2 * h + (2 * d if args.qk_norm else 0)
+    moe = args.moe
+    sparse = sum(moe.sparse_layers) if moe is not None else 0
+    sparse_mlp = moe.num_experts * h + moe.top_k * 3 * h * moe.intermediate_size if moe is not None else 0
+    return args.num_layers * (attn + norms) + (args.num_layers - sparse) * mlp + sparse * sparse_mlp + h  # + final norm
 
 
 def lm_head_params(args: ModelArgs) -> int:

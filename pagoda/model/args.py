@@ -7,6 +7,18 @@ from typing import Any
 
 
 @dataclass
+class MoeArgs:
+    """A sparse MLP's facts (Mixtral, Qwen3-MoE): each token runs `top_k` of `num_experts` expert MLPs."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int     # each expert's (ModelArgs.intermediate_size is a dense layer's)
+    renormalize: bool          # the k routing weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    round_weights: bool        # routing weights rounded to the activations' dtype before scaling (Qwen3-MoE)
+    sparse_layers: list[bool]  # per layer: a MoE block, or a dense MLP (Qwen3-MoE's mlp_only_layers, sparse step)
+
+
+@dataclass
 class ModelArgs:
     architecture: str
     vocab_size: int
@@ -23,6 +35,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    moe: MoeArgs | None = None  # sparse MLPs (Mixtral, Qwen3-MoE); None for dense models
     # Each layer's sliding window: a query at p attends to keys (p - w, p]; 0 for a layer that sees every key.
     layer_windows: list[int] = field(default_factory=list)
     partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates (Phi-4-mini: 0.75)
@@ -38,10 +51,14 @@ class ModelArgs:
             mt = cfg.get("model_type", "")
             archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
                      "mistral": ["MistralForCausalLM"], "phi3": ["Phi3ForCausalLM"],
+                     "mixtral": ["MixtralForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
                      "gemma2": ["Gemma2ForCausalLM"], "gemma3_text": ["Gemma3ForCausalLM"]}.get(mt, [])
         if not archs:
             raise ValueError("config.json has neither 'architectures' nor a known 'model_type'")
         missing = [k for k in _REQUIRED if k not in cfg]
+        if missing and isinstance(cfg.get("text_config"), dict):  # Gemma3ForConditionalGeneration, Llava, ...
+            raise ValueError(f"unsupported architecture {archs[0]!r}: a multimodal model (its language model's "
+                             "config is under text_config); Pagoda runs text-only checkpoints")
         if missing:
             raise ValueError(f"missing {missing[0]!r} in config.json")
         hidden = _size(cfg, "hidden_size")
@@ -91,11 +108,12 @@ class ModelArgs:
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
                 partial_rotary_factor=partial,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 layer_windows=_layer_windows(cfg, arch),
+                moe=_moe_args(cfg, arch),
                 hf_config=cfg,
             )
         except (TypeError, ValueError) as e:  # a list where a number belongs, a non-numeric string
@@ -159,8 +177,10 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:
     if types is None and arch in _GEMMA:
         period = 2 if arch == "Gemma2ForCausalLM" else _size(cfg, "sliding_window_pattern", 6)
         types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    if types is None and arch == "Qwen3MoeForCausalLM":  # its config drops the window unless use_sliding_window
+        return [window if cfg.get("use_sliding_window") else 0] * layers
     if types is None:
-        return [window if arch in ("MistralForCausalLM", "Phi3ForCausalLM") else 0] * layers
+        return [window if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM") else 0] * layers
     if not isinstance(types, list) or len(types) != layers:
         raise ValueError(f"bad config value: layer_types must list one type per layer ({layers})")
     return [window if t == "sliding_attention" else 0 for t in types]
@@ -188,3 +208,40 @@ def _size(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _LIMITS[key]:
         raise ValueError(f"bad config value: {key} = {value!r} (must be an integer in 1..{_LIMITS[key]})")
     return value
+
+
+def _moe_args(cfg: dict[str, Any], arch: str) -> MoeArgs | None:
+    """The MoE facts of a Mixtral or Qwen3-MoE config, with transformers' defaults for absent keys; None for other
+    architectures. Qwen3-MoE's layer i is sparse unless mlp_only_layers lists it, when i + 1 is a multiple of
+    decoder_sparse_step (and there are experts at all)."""
+    layers = _size(cfg, "num_hidden_layers")
+    # Hub configs name the count num_local_experts (Mixtral) or num_experts (Qwen3-MoE); transformers 5 writes
+    # num_local_experts for both (an attribute alias).
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    if arch == "MixtralForCausalLM":
+        experts = _size(cfg, key, 8)
+        return MoeArgs(experts, _top_k(cfg, experts, 2), _size(cfg, "intermediate_size"), True, False,
+                       [True] * layers)
+    if arch != "Qwen3MoeForCausalLM":
+        return None
+    experts = 0 if cfg.get(key) == 0 else _size(cfg, key, 128)
+    step = _size(cfg, "decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise ValueError(f"bad config value: mlp_only_layers = {dense!r} (must be a list of layer indices)")
+    sparse = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    top_k = _top_k(cfg, experts, 8) if any(sparse) else 0
+    return MoeArgs(experts, top_k, _size(cfg, "moe_intermediate_size", 768), bool(cfg.get("norm_topk_prob", False)),
+                   True, sparse)
+
+
+def _top_k(cfg: dict[str, Any], experts: int, default: int) -> int:
+    top_k = _size(cfg, "num_experts_per_tok", default)
+    if top_k > experts:
+        raise ValueError(f"bad config value: num_experts_per_tok = {top_k} (more than the {experts} experts)")
+    return top_k
+
+
+# MoE sizes (Mixtral, Qwen3-MoE): DeepSeek-V3 has 256 experts, Qwen3-235B-A22B 128.
+_LIMITS |= {"num_local_experts": 1024, "num_experts": 1024, "num_experts_per_tok": 1024, "decoder_sparse_step": 1024,
+            "moe_intermediate_size": 1 << 18}

@@ -34,9 +34,8 @@ from pagoda.model.args import ModelArgs
 from pagoda.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from pagoda.model.llama import weight_shapes as llama_weight_shapes
 
-# transformers' hidden_activation names -> F.gelu's `approximate`.
-_GELU = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh",
-         "gelu": "none"}
+# transformers' hidden_activation names (activations.ACT2CLS) -> F.gelu's `approximate`.
+_GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class GemmaArgs:
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"{a.architecture} with use_bidirectional_attention (an embedding model) is not "
                              "supported: Pagoda serves causal language models")
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"  # transformers' Gemma ignores hidden_act
         if act not in _GELU:
             raise ValueError(f"bad config value: hidden_activation = {act!r} (supported: {', '.join(_GELU)})")
         softcaps = {key: cfg.get(key, default if gemma2 else None)  # Gemma2Config's defaults: 50 and 30

@@ -42,7 +42,8 @@ _MAX_ARRAY_DEPTH = 4   # nested metadata arrays: real files use none; bounded so
 
 # GGUF architecture -> (HF architectures entry, HF model_type).
 SUPPORTED_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                   "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3")}
+                   "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3"),
+                   "gemma2": ("Gemma2ForCausalLM", "gemma2"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
 
 class SkippedStrings:
@@ -331,6 +332,9 @@ def gguf_hf_config(g: GGUFFile) -> dict[str, Any]:
         cfg["rope_scaling"] = rs
     if arch == "phi3":
         _phi3_attention(g, cfg)
+    _moe_config(g, cfg)
+    if arch in _GEMMA_NORM_PLUS_ONE:
+        _gemma_config(g, cfg)
     eos = _field_int(g, "tokenizer.ggml.eos_token_id")
     eot = _field_int(g, "tokenizer.ggml.eot_token_id")
     cfg["bos_token_id"] = _field_int(g, "tokenizer.ggml.bos_token_id")
@@ -372,6 +376,42 @@ def _phi3_attention(g: GGUFFile, cfg: dict[str, Any]) -> None:
 
 _PHI3_ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 
+
+def _gemma_config(g: GGUFFile, cfg: dict[str, Any]) -> None:
+    """Gemma's facts as llama.cpp's converter writes them and its loader reads them: attention.sliding_window;
+    the layer pattern, which llama.cpp fixes (Gemma 2: every other layer sliding from layer 0; Gemma 3: five
+    sliding to one global) unless attention.sliding_window_pattern gives it (a period, or a flag per layer);
+    the soft-caps (Gemma 2's default to 50 and 30, as in llama.cpp and transformers); Gemma 3's local RoPE base
+    (rope.freq_base_swa, else llama.cpp's 10000). The attention scale is not stored: llama.cpp takes
+    head_dim ** -0.5, and (hidden / heads) ** -0.5 for the 27B models (46 and 62 layers), as Google's configs."""
+    arch, layers = g.architecture, cfg["num_hidden_layers"]
+    pattern = _meta(g, "attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = _meta_int(g, "attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
+        sliding = [bool((i + 1) % period) for i in range(layers)]
+    cfg["sliding_window"] = _meta_int(g, "attention.sliding_window") or None  # None: every layer global
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    for key, gemma2_default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        absent = gemma2_default if arch == "gemma2" else None
+        cfg[key] = absent if _meta(g, key) is None else _meta_float(g, key, 0.0)
+    big = (arch, layers) in (("gemma2", 46), ("gemma3", 62)) and cfg["num_attention_heads"]
+    cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    if arch == "gemma3":
+        cfg["rope_local_base_freq"] = _meta_float(g, "rope.freq_base_swa", 10_000.0)
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+
+
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its kernels scale by the weight alone); the HF
+# stream carries transformers' w, which model/gemma.py folds back into 1 + w.
+_GEMMA_NORM_PLUS_ONE = ("gemma2", "gemma3")
+
+
+def stored_offset(arch: str, name: str) -> float:
+    """What llama.cpp's converter added to GGUF tensor `name` of `arch`: 1 for a Gemma norm weight, else 0."""
+    return 1.0 if arch in _GEMMA_NORM_PLUS_ONE and name.endswith("norm.weight") else 0.0
+
 _LAYER_MAP = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -381,12 +421,64 @@ _LAYER_MAP = {
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q|k|v in one matrix, as in its HF checkpoint
 }
 # Where an arch gives a name another meaning: llama.cpp's Phi-3 stores gate|up fused under ffn_up.
-_ARCH_LAYER_MAP = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Gemma's four norms a layer: ffn_norm is the pre-feed-forward one, post_attention_norm and post_ffw_norm follow
+# the attention and the MLP.
+_GEMMA_LAYER_MAP = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_MAP = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_LAYER_MAP, "gemma3": _GEMMA_LAYER_MAP}
 _TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that carry no HF parameter (llama3 rope frequencies and Phi-3's LongRoPE factors are folded into
 # the rope config).
 IGNORED_TENSORS = {"rope_freqs.weight", *_PHI3_ROPE_FACTORS.values()}
+
+# Mixture of experts as llama.cpp lays it out: the router as ffn_gate_inp, and a layer's experts stacked into one
+# tensor per projection, [E, rows, cols], whose HF name holds "{e}" for the expert's index (split_experts). Mixtral
+# is arch llama with llama.expert_count; Qwen3-MoE is qwen3moe.
+SUPPORTED_ARCHS["qwen3moe"] = ("Qwen3MoeForCausalLM", "qwen3_moe")
+_ARCH_LAYER_MAP["llama"] = {
+    "ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
+_ARCH_LAYER_MAP["qwen3moe"] = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+
+
+def _moe_config(g: GGUFFile, cfg: dict[str, Any]) -> None:
+    """The experts of a Mixtral (arch llama) or Qwen3-MoE GGUF, as llama.cpp's converter writes them: expert_count,
+    expert_used_count and (Qwen3-MoE) expert_feed_forward_length. llama.cpp renormalizes both models' top-k
+    weights (Qwen3-MoE's norm_topk_prob) and has no dense layers among Qwen3-MoE's."""
+    experts = _meta_int(g, "expert_count", 0)
+    if not experts:
+        return
+    used = _meta_int(g, "expert_used_count")
+    if g.architecture == "llama":
+        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
+                   num_experts_per_tok=used)
+    elif g.architecture == "qwen3moe":
+        ff = _meta_int(g, "expert_feed_forward_length")
+        if ff is None:
+            raise ModelFileError(g.path, "GGUF metadata lacks qwen3moe.expert_feed_forward_length")
+        cfg.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=ff, norm_topk_prob=True,
+                   rope_theta=_meta_float(g, "rope.freq_base", 1_000_000.0),
+                   rms_norm_eps=_meta_float(g, "attention.layer_norm_rms_epsilon", 1e-6))
+
+
+def per_expert(hf: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of each weight a GGUF tensor holds: one per expert of stacked experts [E, ...] (an "{e}"
+    in `hf`), else the tensor itself."""
+    if "{e}" not in hf:
+        return [(hf, shape)]
+    return [(hf.format(e=e), shape[1:]) for e in range(shape[0])]
+
+
+def split_experts(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GGUF's weight stream with each stacked experts tensor [E, ...] split into its experts' HF weights."""
+    for hf, t in weights:
+        if "{e}" in hf:
+            yield from ((hf.format(e=e), t[e]) for e in range(t.shape[0]))
+        else:
+            yield hf, t
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
@@ -440,6 +532,9 @@ def iter_gguf_weights(g: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype
     def load(job: tuple[str, str]) -> tuple[str, torch.Tensor]:
         name, hf = job
         arr = g.dequantized(name)
+        offset = stored_offset(arch, name)
+        if offset:
+            arr = np.asarray(arr, dtype=np.float32) - offset
         if permute and ".attn_q." in name:
             arr = unpermute_qk(arr, heads)
         elif permute and ".attn_k." in name:

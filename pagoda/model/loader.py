@@ -44,9 +44,9 @@ class ModelFiles:
     def iter_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor converted to `dtype`); lm_head is omitted when tied."""
         if self.kind == "gguf":
-            from pagoda.model.gguf_loader import iter_gguf_weights
+            from pagoda.model.gguf_loader import iter_gguf_weights, split_experts
 
-            yield from iter_gguf_weights(self._gguf, self.hf_config, dtype)
+            yield from split_experts(iter_gguf_weights(self._gguf, self.hf_config, dtype))
             return
         from safetensors import SafetensorError, safe_open
 
@@ -208,11 +208,12 @@ def _checked_args(cfg: dict[str, Any], path: str, origin: str = "") -> ModelArgs
 def _stored_tensors(files: ModelFiles) -> Iterator[tuple[str, tuple[int, ...], str | None, str]]:
     """(HF name, shape, safetensors dtype code or None for GGUF, file) of every tensor in the checkpoint."""
     if files.kind == "gguf":
-        from pagoda.model.gguf_loader import hf_tensor_names
+        from pagoda.model.gguf_loader import hf_tensor_names, per_expert
 
         g = files._gguf
         for name, hf in hf_tensor_names(g).items():
-            yield hf, g.tensors[name].shape, None, g.path
+            for each, shape in per_expert(hf, g.tensors[name].shape):  # stacked experts: one weight per expert
+                yield each, shape, None, g.path
         return
     from safetensors import SafetensorError, safe_open
 

@@ -6,6 +6,7 @@ from torch import nn
 from pagoda.model.args import ModelArgs
 from pagoda.model.gemma import GemmaForCausalLM
 from pagoda.model.llama import LlamaForCausalLM
+from pagoda.model.moe import MixtralForCausalLM, MoeForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +20,9 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     # sliding-window layers between global ones (Gemma 3: local RoPE base, q/k head norms).
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    # Llama's attention (Qwen3-MoE: with q/k head norms) and sparse mixture-of-experts MLPs (layers/moe.py).
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
 }
 
 

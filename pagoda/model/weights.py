@@ -35,8 +35,9 @@ class LoadPlan:
 def fused_target(model: nn.Module, hf_module: str) -> tuple[str, int, int]:
     """The module path an HF module (a weight's name without ".weight") loads into, its part's index and
     the number of parts: layers.0.self_attn.q_proj -> (layers.0.self_attn.qkv_proj, 0, 3); (its own path,
-    0, 1) where it is not fused."""
-    path = hf_module.removeprefix("model.")
+    0, 1) where it is not fused. The model's `hf_renames` apply first (Mixtral's experts.0.w1 is
+    experts.0.gate_proj)."""
+    path = model.module_path(hf_module)
     parent, _, part = path.rpartition(".")
     for fused, parts in model.packed_modules.items():
         if part in parts:

@@ -18,7 +18,7 @@ import torch
 
 from pagoda.kernels.quant_linear import PackedWeight
 from pagoda.model.errors import warn_nonfinite
-from pagoda.model.gguf_loader import IGNORED_TENSORS, GGUFFile, gguf_to_hf_name, unpermute_qk
+from pagoda.model.gguf_loader import IGNORED_TENSORS, GGUFFile, gguf_to_hf_name, stored_offset, unpermute_qk
 from pagoda.model.loader import ModelFiles
 from pagoda.quantization.int4_format import pack_int4
 
@@ -59,6 +59,9 @@ def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple
         if hf is None:
             raise ValueError(f"{g.path}: GGUF tensor {name!r} has no known HF equivalent")
         n_head = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else 0
+        if "{e}" in hf:  # stacked experts [E, rows, cols]: each expert's matrix on its own
+            yield from _experts(g, name, hf, dtype)
+            continue
         if info.qtype in NATIVE and len(info.dims) == 2 and hf.endswith(".weight"):
             pw = packed_from_blocks(g.raw_tensor(name), info.qtype, info.dims[0])
             if permute and n_head:
@@ -68,6 +71,25 @@ def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple
         arr = g.dequantized(name)
         if permute and n_head:
             arr = unpermute_qk(arr, n_head)
-        t = torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
+        arr = np.array(arr, dtype=np.float32)
+        if offset := stored_offset(g.architecture, name):  # Gemma's norms: llama.cpp stores 1 + w
+            arr -= offset
+        t = torch.from_numpy(arr).to(dtype)
         warn_nonfinite(t, hf, g.path)
         yield hf, t
+
+
+def _experts(g: GGUFFile, name: str, hf: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """A stacked experts tensor [E, rows, cols] as one weight per expert ("{e}" in `hf`): Q4_0/Q4_1/Q8_0 blocks as
+    PackedWeights, other types dequantized to `dtype`."""
+    info = g.tensors[name]
+    if info.qtype in NATIVE:
+        raw = g.raw_tensor(name)  # [E, rows, bytes per row]
+        for e in range(raw.shape[0]):
+            yield hf.format(e=e), packed_from_blocks(raw[e], info.qtype, info.dims[0])
+        return
+    arr = np.array(g.dequantized(name), dtype=np.float32)
+    for e in range(arr.shape[0]):
+        t = torch.from_numpy(arr[e]).to(dtype)
+        warn_nonfinite(t, hf.format(e=e), g.path)
+        yield hf.format(e=e), t

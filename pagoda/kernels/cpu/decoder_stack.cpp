@@ -17,7 +17,6 @@
 
 #include <tuple>
 
-#include "linear_formats.h"
 #include "ops.h"
 
 namespace {
@@ -37,12 +36,7 @@ at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   const c10::optional<at::Tensor> w = linears.get(base), scales = linears.get(base + 1),
                                   offsets = linears.get(base + 2), bias = linears.get(base + 3);
   TORCH_CHECK(w.has_value(), "decoder_stack: linear ", index, " has no weight");
-  if (fmt == pagoda_cpu::kDense) return pagoda_cpu::small_m_linear(x, *w, bias);
-  if (fmt == pagoda_cpu::kPanels) return pagoda_cpu::packed_linear(x, *w, bias);
-  TORCH_CHECK(scales.has_value(), "decoder_stack: quantized linear ", index, " has no scales");
-  if (fmt >= pagoda_cpu::kInt4p && fmt <= pagoda_cpu::kFp8p)
-    return pagoda_cpu::quant_panel_linear(x, *w, *scales, offsets, bias, group_size, fmt - pagoda_cpu::kInt4p);
-  return pagoda_cpu::quant_linear(x, *w, *scales, offsets, bias, fmt, group_size);
+  return pagoda_cpu::format_linear(x, *w, scales, offsets, bias, fmt, group_size);
 }
 
 // Returns (h, residual): the last layer's output and the running residual, for the final norm.

@@ -1,7 +1,7 @@
 // The formats of a linear layer's weight as the kernels take them: ONE table for C++ and Python
 // (pagoda/kernels/linear_formats.py reads this enum at import, so a new format is added here only).
-// The decoder stack (decoder_stack.cpp) dispatches on it; quant_linear.cpp takes kInt4..kInt4x8;
-// quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p).
+// format_linear (linear_formats.cpp) dispatches on it for the decoder stack and the MoE experts;
+// quant_linear.cpp takes kInt4..kInt4x8; quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p).
 #pragma once
 
 #include <cstdint>

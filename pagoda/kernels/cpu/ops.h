@@ -44,4 +44,10 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
                               const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                               int64_t group_size, int64_t kind);
 
+// One linear whose weight is held in format `fmt` (linear_formats.h: kDense the weight, kPanels its panels, else the
+// codes with their scales and offsets), through that format's few-row kernel (linear_formats.cpp).
+at::Tensor format_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias, int64_t fmt,
+                         int64_t group_size);
+
 }  // namespace pagoda_cpu
