@@ -11,13 +11,22 @@ base apart from the global one, whose RoPE is linearly scaled.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from tiny_models import (
+    GGUF_LAYER,
+    add_gguf_hparams,
+    finish_gguf,
+    gguf_tensor_name,
+    hf_argmax_agreement,
+    hf_greedy,
+    variant,
+    worst_prompt_logprob_error,
+)
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.args import ModelArgs
@@ -56,26 +65,9 @@ def build_gemma(path: Path, arch: str, **overrides: Any) -> str:
     return str(path)
 
 
-def variant(src: str, dest: Path, **config: Any) -> str:
-    """A copy of the model folder `src` with some config.json values changed (the same weights)."""
-    shutil.copytree(src, dest)
-    cfg = json.loads((dest / "config.json").read_text())
-    (dest / "config.json").write_text(json.dumps(cfg | config))
-    return str(dest)
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]] = PROMPTS, max_new: int = NEW) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # No EOS: HF neither stops at it nor bans it (min_new_tokens would), as Pagoda's ignore_eos runs.
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
+def hf_tokens(model_dir: str) -> list[list[int]]:
+    """transformers' greedy tokens on PROMPTS."""
+    return hf_greedy(model_dir, PROMPTS, NEW)
 
 
 def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
@@ -103,7 +95,7 @@ def tiny_gemma3(tmp_path_factory) -> str:
 def tiny(request, tiny_gemma2, tiny_gemma3) -> tuple[str, list[list[int]]]:
     """(model folder, transformers' greedy tokens) of each family."""
     path = tiny_gemma2 if request.param == "gemma2" else tiny_gemma3
-    return path, hf_greedy(path)
+    return path, hf_tokens(path)
 
 
 def test_gemma_configs_parse_into_their_layer_windows_and_ropes(tiny_gemma2, tiny_gemma3):
@@ -139,13 +131,13 @@ def test_gemma_configs_parse_into_their_layer_windows_and_ropes(tiny_gemma2, tin
 def test_hf_itself_feels_each_gemma_feature(tiny_gemma2, tiny_gemma3, tmp_path):
     """The prompts are long enough, and the caps small enough, that transformers gives other tokens without the
     attention soft-cap, the window, the query_pre_attn_scalar or Gemma 3's local RoPE base."""
-    ref2, ref3 = hf_greedy(tiny_gemma2), hf_greedy(tiny_gemma3)
-    assert hf_greedy(variant(tiny_gemma2, tmp_path / "a", attn_logit_softcapping=None)) != ref2
-    assert hf_greedy(variant(tiny_gemma2, tmp_path / "b", layer_types=["full_attention"] * 4)) != ref2
-    assert hf_greedy(variant(tiny_gemma2, tmp_path / "c", query_pre_attn_scalar=HEAD_DIM)) != ref2
-    assert hf_greedy(variant(tiny_gemma3, tmp_path / "d", layer_types=["full_attention"] * 4)) != ref3
+    ref2, ref3 = hf_tokens(tiny_gemma2), hf_tokens(tiny_gemma3)
+    assert hf_tokens(variant(tiny_gemma2, tmp_path / "a", attn_logit_softcapping=None)) != ref2
+    assert hf_tokens(variant(tiny_gemma2, tmp_path / "b", layer_types=["full_attention"] * 4)) != ref2
+    assert hf_tokens(variant(tiny_gemma2, tmp_path / "c", query_pre_attn_scalar=HEAD_DIM)) != ref2
+    assert hf_tokens(variant(tiny_gemma3, tmp_path / "d", layer_types=["full_attention"] * 4)) != ref3
     same_base = {**GEMMA3_ROPE, "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
-    assert hf_greedy(variant(tiny_gemma3, tmp_path / "e", rope_parameters=same_base)) != ref3
+    assert hf_tokens(variant(tiny_gemma3, tmp_path / "e", rope_parameters=same_base)) != ref3
 
 
 def test_tiny_gemma_matches_hf(tiny, default_gguf):
@@ -172,7 +164,7 @@ def test_tiny_gemma2_preempted_requests_resume_with_identical_tokens(tiny_gemma2
     # sequence (91 tokens) but not all five at once.
     llm = LLM(tiny_gemma2, tokenizer=default_gguf, dtype="float32", block_size=4, kv_cache_memory=30 * 4096)
     assert llm.engine.kv.pool.num_blocks == 30
-    assert generate(llm) == hf_greedy(tiny_gemma2)
+    assert generate(llm) == hf_tokens(tiny_gemma2)
     assert llm.engine.scheduler.num_preemptions > 0
 
 
@@ -180,42 +172,26 @@ def test_tiny_gemma2_preempted_requests_resume_with_identical_tokens(tiny_gemma2
 def test_tiny_gemma_prompt_logprobs_match_hf(arch, tiny_gemma2, tiny_gemma3, default_gguf):
     """Logprobs pin down what greedy tokens cannot: Gemma 2's final soft-cap is monotone, so only the
     logprobs show it."""
-    from transformers import AutoModelForCausalLM
-
     path, prompt = (tiny_gemma2 if arch == "gemma2" else tiny_gemma3), PROMPTS[3]
     llm = LLM(path, tokenizer=default_gguf, dtype="float32", max_num_batched_tokens=16, kv_cache_memory="16MiB")
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     # fp32 on both sides, the same math in another order (fused matmuls, chunked prefill): float rounding only
     # (measured: a few 1e-6). 1e-4 is far below what a wrong feature moves: the exact GELU in place of the tanh one
     # moves these logprobs by ~7e-4, leaving out Gemma 2's final cap by units.
-    worst = 0.0
-    for pos in range(1, len(prompt)):
-        entry = out.prompt_logprobs[pos]
-        for tid in [*ref[pos - 1].topk(3).indices.tolist(), prompt[pos]]:
-            worst = max(worst, abs(entry[tid].logprob - ref[pos - 1, tid].item()))
-    assert worst < 1e-4
+    assert worst_prompt_logprob_error(path, prompt, out.prompt_logprobs) < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_tiny_gemma_bf16_follows_hf(arch, tiny_gemma2, tiny_gemma3, default_gguf):
     """Teacher-forced argmax agreement with transformers fp32 over a long prompt: bf16 rounding may move a few of
     these random logits (measured: none; transformers' own bf16 moves 2 to 8%), a wrong feature moves most."""
-    from transformers import AutoModelForCausalLM
-
     path, prompt = (tiny_gemma2 if arch == "gemma2" else tiny_gemma3), PROMPTS[3]
     llm = LLM(path, tokenizer=default_gguf, dtype="bfloat16", block_size=4, max_num_batched_tokens=32,
               kv_cache_memory="16MiB")
     out = llm.generate([prompt], SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0, prompt_logprobs=1),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == NEW
-    ours = [next(t for t, lp in entry.items() if lp.rank == 1) for entry in out.prompt_logprobs[1:]]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0, :-1].argmax(-1).tolist()
-    assert sum(a == b for a, b in zip(ours, ref)) / len(ref) >= 0.9
+    assert hf_argmax_agreement(path, prompt, out.prompt_logprobs) >= 0.9
 
 
 def write_gemma_gguf(hf_dir: Path, path: Path, pattern: list[bool] | None = None) -> Path:
@@ -229,13 +205,7 @@ def write_gemma_gguf(hf_dir: Path, path: Path, pattern: list[bool] | None = None
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = "gemma2" if cfg["model_type"] == "gemma2" else "gemma3"
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_gguf_hparams(w, cfg)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_sliding_window(cfg["sliding_window"])
@@ -250,29 +220,17 @@ def write_gemma_gguf(hf_dir: Path, path: Path, pattern: list[bool] | None = None
             w.add_rope_scaling_factor(rope["factor"])
     if pattern is not None:
         w.add_sliding_window_pattern(pattern)
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    # Gemma's four norms a layer, as llama.cpp names them: attn_norm, post_attention_norm, ffn_norm, post_ffw_norm.
+    layer = GGUF_LAYER | {"post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         if name == "lm_head.weight":
             continue
-        if name in top:
-            gname = top[name]
-        else:
-            i, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, leaf = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{layer[module]}.{leaf}"
         t = t.float()
         if name.endswith("norm.weight"):
             t = t + 1  # the converter's modify_tensors: llama.cpp's norms scale by the weight alone
-        w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(gguf_tensor_name(name, layer), np.ascontiguousarray(t.numpy()))
+    finish_gguf(w)
     return path
 
 
@@ -288,7 +246,7 @@ def test_tiny_gemma_gguf_as_llama_cpp_writes_it_matches_hf(arch, tiny_gemma2, tm
     else:
         hf_dir = build_gemma(tmp_path / "hf", "gemma3", num_hidden_layers=6, layer_types=None,
                              query_pre_attn_scalar=HEAD_DIM)
-    ref = hf_greedy(hf_dir)
+    ref = hf_tokens(hf_dir)
     path = str(write_gemma_gguf(Path(hf_dir), tmp_path / f"tiny-{arch}.gguf"))
     cfg = resolve_model_files(path).hf_config
     args = ModelArgs.from_hf_config(cfg)

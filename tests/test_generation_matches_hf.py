@@ -6,23 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import add_gguf_hparams, finish_gguf, gguf_tensor_name, hf_greedy
 
 from pagoda import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 250], list(range(10, 47)), [7], [400, 401, 402, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
            list(range(100, 300, 3))]
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
-                                 min_new_tokens=max_new, pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
 
 
 def run(model_dir: str, default_gguf: str, max_new: int, **kw) -> list[list[int]]:
@@ -59,35 +48,14 @@ def _write_qwen3_gguf(hf_dir: Path, path: Path) -> Path:
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(path), "qwen3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    add_gguf_hparams(w, cfg)
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
-        if name in top:
-            gname = top[name]
-        else:
-            i, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, leaf = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{layer[module]}.{leaf}"
-        w.add_tensor(gname, np.ascontiguousarray(t.float().numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(t.float().numpy()))
+    finish_gguf(w)
     return path
 
 

@@ -18,26 +18,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import finish_gguf, gguf_tensor_name
 
 from pagoda.model.errors import ModelFileError
 from pagoda.model.loader import resolve_model_files
 
 # Tiny-model numbers (tests/tiny_models.py): vocab 512, hidden 64, 4 heads, 2 KV heads, 2 layers.
 HEADS, KV_HEADS = 4, 2
-_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm"}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-
-
-def _gguf_name(hf: str) -> str:
-    if hf in _GGUF_TOP:
-        return _GGUF_TOP[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER[part]}.{kind}"
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -68,11 +55,8 @@ def write_tiny_gguf(path: Path, tensors: dict[str, torch.Tensor], head_count: in
             arr = _permute(arr, HEADS)
         elif ".k_proj." in hf:
             arr = _permute(arr, KV_HEADS)
-        w.add_tensor(_gguf_name(hf), np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(gguf_tensor_name(hf), np.ascontiguousarray(arr))
+    finish_gguf(w)
     return path
 
 

@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import build_tiny_moe
+from tiny_models import (
+    GGUF_LAYER,
+    add_gguf_hparams,
+    build_tiny_moe,
+    finish_gguf,
+    gguf_tensor_name,
+    hf_argmax_agreement,
+    hf_greedy,
+    variant,
+    with_architecture,
+)
 
 from pagoda import LLM, SamplingParams
 from pagoda.kernels.cpu_extension import build_isa, kernel_available
@@ -35,19 +44,6 @@ needs_kernels = pytest.mark.skipif(not (kernel_available() and build_isa().avx51
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny_moe(request, tmp_path_factory) -> str:
     return str(build_tiny_moe(tmp_path_factory.mktemp(f"tiny_{request.param}"), request.param))
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # no EOS: HF neither stops at it nor bans it, as ignore_eos runs
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +113,6 @@ def agreement_with_hf(model: str, default_gguf: str, prompt: list[int], hf_dir: 
                       expert_format: str | None = None, **kw) -> float:
     """Teacher-forced argmax agreement of `model` with transformers fp32 (on `hf_dir`, else `model`) over `prompt`
     (Pagoda's rank-1 prompt logprobs). `expert_format`: the format every expert's quantized weights must have."""
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(model, tokenizer=default_gguf, block_size=4, max_num_batched_tokens=32, kv_cache_memory="16MiB", **kw)
     if kw.get("quantization"):
         block = llm.engine.runner.model.layers[0].mlp
@@ -127,11 +121,7 @@ def agreement_with_hf(model: str, default_gguf: str, prompt: list[int], hf_dir: 
         assert block.gate.weight.is_floating_point()  # the router is never quantized
         assert block.op is not None or not build_isa().avx512  # quantized experts run in the op too
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-    ours = [next(t for t, lp in entry.items() if lp.rank == 1) for entry in out.prompt_logprobs[1:]]
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir or model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0, :-1].argmax(-1).tolist()
-    return sum(a == b for a, b in zip(ours, ref)) / len(ref)
+    return hf_argmax_agreement(hf_dir or model, prompt, out.prompt_logprobs)
 
 
 LONG = [(7 * i) % 500 + 3 for i in range(130)]
@@ -165,25 +155,17 @@ def test_qwen3_moe_without_norm_topk_prob_matches_hf(default_gguf, tmp_path):
 
 
 def test_other_moe_architectures_are_refused_by_name(tiny_moe, default_gguf, tmp_path):
-    folder = tmp_path / "other"
-    shutil.copytree(tiny_moe, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = with_architecture(tiny_moe, tmp_path / "other", "DeepseekV3ForCausalLM")
     with pytest.raises(ValueError, match="unsupported architecture 'DeepseekV3ForCausalLM'.*MixtralForCausalLM"):
-        LLM(str(folder), tokenizer=default_gguf)
+        LLM(folder, tokenizer=default_gguf)
 
 
 def test_top_k_beyond_the_experts_is_refused(tiny_moe, tmp_path):
     from pagoda.model.errors import ModelFileError
 
-    folder = tmp_path / "bad"
-    shutil.copytree(tiny_moe, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["num_experts_per_tok"] = 9
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = variant(tiny_moe, tmp_path / "bad", num_experts_per_tok=9)
     with pytest.raises(ModelFileError, match="num_experts_per_tok = 9"):
-        LLM(str(folder))
+        LLM(folder)
 
 
 # ---- the experts op against the per-expert reference ---------------------------------------------------------
@@ -283,13 +265,7 @@ def write_moe_gguf(hf_dir: Path, path: Path, expert_type: str = "F32") -> Path:
     mixtral = cfg["architectures"] == ["MixtralForCausalLM"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), "llama" if mixtral else "qwen3moe")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_gguf_hparams(w, cfg)
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])  # transformers 5 writes the latter
@@ -302,31 +278,22 @@ def write_moe_gguf(hf_dir: Path, path: Path, expert_type: str = "F32") -> Path:
     def permute(t: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's LlamaModel.permute
         return t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp"}
+    layer = GGUF_LAYER | {"block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp"}  # the router
     stacked = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
                "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         a = np.ascontiguousarray(t.float().numpy())
-        if name in top:
-            w.add_tensor(top[name], a)
-            continue
-        i, rest = name.removeprefix("model.layers.").split(".", 1)
-        module, leaf = rest.rsplit(".", 1)
-        if ".experts." in module:  # block.experts.E.proj
-            e, proj = module.split(".experts.")[1].split(".")
+        if ".experts." in name:  # model.layers.I.<block>.experts.E.<proj>.weight
+            i = name.removeprefix("model.layers.").split(".", 1)[0]
+            e, proj, _ = name.split(".experts.")[1].split(".")
             experts.setdefault(f"blk.{i}.{stacked[proj]}.weight", {})[int(e)] = a
             continue
-        if mixtral and module == "self_attn.q_proj":
+        if mixtral and ".self_attn.q_proj." in name:
             a = permute(a, heads)
-        elif mixtral and module == "self_attn.k_proj":
+        elif mixtral and ".self_attn.k_proj." in name:
             a = permute(a, kv_heads)
-        w.add_tensor(f"blk.{i}.{layer[module]}.{leaf}", a)
+        w.add_tensor(gguf_tensor_name(name, layer), a)
     for gname, per in experts.items():
         a = np.stack([per[e] for e in range(len(per))])
         if expert_type == "F32":
@@ -334,10 +301,7 @@ def write_moe_gguf(hf_dir: Path, path: Path, expert_type: str = "F32") -> Path:
         else:
             qtype = gguf.GGMLQuantizationType[expert_type]
             w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)  # the byte shape: gguf-py derives the rest
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

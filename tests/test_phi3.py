@@ -14,9 +14,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from test_generation_matches_hf import hf_greedy
-from tiny_models import build_tiny_model
+from tiny_models import (
+    GGUF_LAYER,
+    add_gguf_hparams,
+    build_tiny_model,
+    finish_gguf,
+    gguf_tensor_name,
+    hf_argmax_agreement,
+    hf_greedy,
+    variant,
+    with_architecture,
+    worst_prompt_logprob_error,
+)
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.errors import ModelFileError
@@ -88,25 +97,13 @@ def test_the_longrope_factor_set_follows_max_model_len(tiny_phi3, default_gguf, 
 
 @pytest.mark.parametrize("prompt,max_model_len", [(LONG[2], None), (SHORT[1], ORIG)])
 def test_tiny_phi3_prompt_logprobs_match_hf(tiny_phi3, default_gguf, prompt, max_model_len):
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(tiny_phi3, tokenizer=default_gguf, dtype="float32", max_num_batched_tokens=16,
               max_model_len=max_model_len)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_phi3, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     # fp32 on both sides, the same math in another order (fused matmuls, C++ kernels, chunked prefill): logprobs of
     # size ~10 differ by float rounding only (measured under 1e-5); 1e-4 leaves room for that and is far below
     # what a wrong rope moves (the other factor set, or none, changes the greedy tokens).
-    worst = 0.0
-    for pos in range(1, len(prompt)):
-        entry = out.prompt_logprobs[pos]
-        top = ref[pos - 1].topk(3)
-        for tid, val in zip(top.indices.tolist(), top.values.tolist()):
-            worst = max(worst, abs(entry[tid].logprob - val))
-        worst = max(worst, abs(entry[prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()))
-    assert worst < 1e-4
+    assert worst_prompt_logprob_error(tiny_phi3, prompt, out.prompt_logprobs) < 1e-4
 
 
 @pytest.mark.parametrize("dtype,quantization,agreement", [("bfloat16", None, 0.9), ("float32", "int8", 0.85),
@@ -115,8 +112,6 @@ def test_tiny_phi3_bf16_and_quantized_follow_hf(tiny_phi3, default_gguf, dtype, 
     """The stored fused matrices go through the quantizing stream transforms like any Linear's. Teacher-forced
     argmax agreement with transformers fp32 over a long prompt: rounding moves these random logits (int4 RTN on
     N(0, 0.2) weights most), but a quantized matrix in the wrong rows agrees near chance (gate and up swapped: 5%)."""
-    from transformers import AutoModelForCausalLM
-
     prompt = LONG[2]
     llm = LLM(tiny_phi3, tokenizer=default_gguf, dtype=dtype, quantization=quantization, block_size=4,
               max_num_batched_tokens=32)
@@ -126,11 +121,7 @@ def test_tiny_phi3_bf16_and_quantized_follow_hf(tiny_phi3, default_gguf, dtype, 
     out = llm.generate([prompt], SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0, prompt_logprobs=1),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == NEW
-    ours = [next(t for t, lp in entry.items() if lp.rank == 1) for entry in out.prompt_logprobs[1:]]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_phi3, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0, :-1].argmax(-1).tolist()
-    assert sum(a == b for a, b in zip(ours, ref)) / len(ref) >= agreement
+    assert hf_argmax_agreement(tiny_phi3, prompt, out.prompt_logprobs) >= agreement
 
 
 def test_tiny_phi3_gguf_as_llama_cpp_writes_it_matches_hf(tiny_phi3, default_gguf, hf_long, hf_short, tmp_path):
@@ -163,14 +154,8 @@ def write_phi3_gguf(hf_dir: Path, path: Path, leave_out: str | None = None) -> P
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     orig, ctx = cfg["original_max_position_embeddings"], cfg["max_position_embeddings"]
     w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_context_length(ctx)
+    add_gguf_hparams(w, cfg)
     w.add_rope_scaling_orig_ctx_len(orig)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * hidden) // heads)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_sliding_window(0)
@@ -179,22 +164,10 @@ def write_phi3_gguf(hf_dir: Path, path: Path, leave_out: str | None = None) -> P
     for kind in ("long", "short"):
         if leave_out != f"rope_factors_{kind}.weight":
             w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    layer = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    layer = GGUF_LAYER | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
-        if name in top:
-            gname = top[name]
-        else:
-            i, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, leaf = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{layer[module]}.{leaf}"
-        w.add_tensor(gname, np.ascontiguousarray(t.float().numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(gguf_tensor_name(name, layer), np.ascontiguousarray(t.float().numpy()))
+    finish_gguf(w)
     return path
 
 
@@ -222,13 +195,10 @@ def test_phi3_eos_list_from_generation_config_stops_generation(tiny_phi3, defaul
 
 
 def test_phi3_rope_factors_of_the_wrong_length_are_refused(tiny_phi3, tmp_path):
-    folder = tmp_path / "bad"
-    shutil.copytree(tiny_phi3, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"]["long_factor"] = cfg["rope_parameters"]["long_factor"][:-1]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    rope = json.loads((Path(tiny_phi3) / "config.json").read_text())["rope_parameters"]
+    folder = variant(tiny_phi3, tmp_path / "bad", rope_parameters=rope | {"long_factor": rope["long_factor"][:-1]})
     with pytest.raises(ModelFileError, match="long_factor has 5 values; the rotary dims need 6"):
-        LLM(str(folder))
+        LLM(folder)
 
 
 def test_gguf_with_one_rope_factor_tensor_is_refused(tiny_phi3, tmp_path):
@@ -240,10 +210,6 @@ def test_gguf_with_one_rope_factor_tensor_is_refused(tiny_phi3, tmp_path):
 
 
 def test_other_phi_architectures_are_refused_by_name(tiny_phi3, default_gguf, tmp_path):
-    folder = tmp_path / "small"
-    shutil.copytree(tiny_phi3, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["Phi3SmallForCausalLM"]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = with_architecture(tiny_phi3, tmp_path / "small", "Phi3SmallForCausalLM")
     with pytest.raises(ValueError, match="unsupported architecture 'Phi3SmallForCausalLM'.*Phi3ForCausalLM"):
-        LLM(str(folder), tokenizer=default_gguf)
+        LLM(folder, tokenizer=default_gguf)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import build_tiny_model, hf_greedy
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.kv_cache_manager import FREED
@@ -26,24 +27,14 @@ def tiny_mistral(tmp_path_factory) -> str:
     return str(path)
 
 
-def hf_greedy(model_dir: str, max_new: int, window: int | None = WINDOW) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.config.sliding_window = window
-    # No EOS: HF neither stops at it nor bans it (min_new_tokens would), as Pagoda's ignore_eos runs.
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in PROMPTS:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
+def hf_windowed(model_dir: str, window: int | None = WINDOW) -> list[list[int]]:
+    """transformers' greedy tokens on PROMPTS with its config's sliding_window set to `window`."""
+    return hf_greedy(model_dir, PROMPTS, 24, config={"sliding_window": window})
 
 
 @pytest.fixture(scope="module")
 def hf_tokens(tiny_mistral) -> list[list[int]]:
-    return hf_greedy(tiny_mistral, 24)
+    return hf_windowed(tiny_mistral)
 
 
 def generate(llm: LLM, max_new: int = 24) -> list[list[int]]:
@@ -53,7 +44,7 @@ def generate(llm: LLM, max_new: int = 24) -> list[list[int]]:
 
 def test_hf_itself_feels_the_window(tiny_mistral, hf_tokens):
     """The prompts are long enough that attending to every key would give other tokens."""
-    assert hf_greedy(tiny_mistral, 24, window=None) != hf_tokens
+    assert hf_windowed(tiny_mistral, window=None) != hf_tokens
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -101,13 +92,11 @@ def test_bf16_runs_with_a_window(tiny_mistral, default_gguf, hf_tokens):
 def test_qwen2_with_window_layers_and_global_layers_matches_hf(tmp_path, default_gguf):
     """Qwen2's use_sliding_window with max_window_layers: layer 0 global, layer 1 windowed (transformers'
     layer_types). Nothing is freed (the global layer reads every key), and tokens equal HF's."""
-    from tiny_models import build_tiny_model
-
     path = str(build_tiny_model(tmp_path / "q2", "qwen2", use_sliding_window=True, sliding_window=WINDOW,
                                 max_window_layers=1))
     llm = LLM(path, tokenizer=default_gguf, dtype="float32", block_size=4, max_num_batched_tokens=16)
     assert llm.engine.args.layer_windows == [0, WINDOW] and llm.engine.kv.sliding_window is None
-    assert generate(llm) == hf_greedy(path, 24)
+    assert generate(llm) == hf_windowed(path)
     # The same weights (same seed) with every layer global give other tokens: the window is felt.
     plain = str(build_tiny_model(tmp_path / "q2-global", "qwen2"))
-    assert hf_greedy(plain, 24) != hf_greedy(path, 24)
+    assert hf_windowed(plain) != hf_windowed(path)

@@ -1,7 +1,11 @@
-"""Tiny random-weight HF models built from a config (importable by tests; conftest names clash)."""
+"""Tiny random-weight HF models built from a config, and the helpers the tests share to compare Pagoda with
+transformers and to write those models as llama.cpp does (importable by tests; conftest names clash)."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,3 +77,109 @@ def build_tiny_moe(path: Path, arch: str, **overrides) -> Path:
         raise ValueError(arch)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# ---- transformers' side of the comparisons ---------------------------------------------------------------------
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int,
+              config: dict[str, Any] | None = None) -> list[list[int]]:
+    """transformers' fp32 greedy continuations of `prompts`, `max_new` tokens each, with no EOS: HF then neither
+    stops at it nor bans it (min_new_tokens would), as Pagoda's ignore_eos runs. `config`: attributes set on the
+    loaded model's config before generating (e.g. sliding_window)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for key, value in (config or {}).items():
+        setattr(model.config, key, value)
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def worst_prompt_logprob_error(model_dir: str, prompt: list[int], prompt_logprobs: list, top: int = 3) -> float:
+    """The largest difference between Pagoda's `prompt_logprobs` (a request output's, asked for `top` or more) and
+    transformers' fp32 log_softmax, over each position's `top` most likely tokens (by transformers) and its prompt
+    token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    worst = 0.0
+    for pos in range(1, len(prompt)):
+        entry = prompt_logprobs[pos]
+        for tid in [*ref[pos - 1].topk(top).indices.tolist(), prompt[pos]]:
+            worst = max(worst, abs(entry[tid].logprob - ref[pos - 1, tid].item()))
+    return worst
+
+
+def hf_argmax_agreement(model_dir: str, prompt: list[int], prompt_logprobs: list) -> float:
+    """Teacher-forced argmax agreement: the share of `prompt`'s positions after the first whose rank-1 token in
+    Pagoda's `prompt_logprobs` (a request output's) is transformers' fp32 argmax."""
+    from transformers import AutoModelForCausalLM
+
+    ours = [next(t for t, lp in entry.items() if lp.rank == 1) for entry in prompt_logprobs[1:]]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, :-1].argmax(-1).tolist()
+    return sum(a == b for a, b in zip(ours, ref)) / len(ref)
+
+
+# ---- model folders and GGUF files --------------------------------------------------------------------------------
+
+
+def variant(src: str | Path, dest: Path, **config: Any) -> str:
+    """A copy of the model folder `src` at `dest` with some config.json values changed (the same weights)."""
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(cfg | config))
+    return str(dest)
+
+
+def with_architecture(src: str | Path, dest: Path, arch: str) -> str:
+    """A copy of the model folder `src` at `dest` whose config.json names the architecture `arch`."""
+    return variant(src, dest, architectures=[arch])
+
+
+# llama.cpp's names for the tensors outside the layers, and for a Llama-style layer's modules (Qwen3's q/k norms).
+GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_tensor_name(hf_name: str, layer: dict[str, str] = GGUF_LAYER, top: dict[str, str] = GGUF_TOP) -> str:
+    """llama.cpp's name for the HF tensor `hf_name`: `top` maps whole names, `layer` a layer's module
+    (model.layers.I.MODULE.LEAF -> blk.I.layer[MODULE].LEAF)."""
+    if hf_name in top:
+        return top[hf_name]
+    i, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    module, leaf = rest.rsplit(".", 1)
+    return f"blk.{i}.{layer[module]}.{leaf}"
+
+
+def add_gguf_hparams(writer: Any, cfg: dict[str, Any]) -> None:
+    """The metadata llama.cpp's converter writes for any of these models from its HF config: context length,
+    widths, layers, heads and the RMSNorm epsilon."""
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+
+
+def finish_gguf(writer: Any) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
