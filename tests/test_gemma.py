@@ -24,6 +24,7 @@ from tiny_models import (
     gguf_tensor_name,
     hf_argmax_agreement,
     hf_greedy,
+    seeded_samples_and_singles,
     variant,
     worst_prompt_logprob_error,
 )
@@ -282,3 +283,11 @@ def test_gemma_configs_pagoda_cannot_serve_are_refused():
         GemmaArgs.from_args(ModelArgs.from_hf_config(cfg | {"use_bidirectional_attention": True}))
     with pytest.raises(ValueError, match="hidden_activation = 'relu'"):
         GemmaArgs.from_args(ModelArgs.from_hf_config(cfg | {"hidden_activation": "relu"}))
+
+
+def test_tiny_gemma_parallel_samples_equal_each_sample_alone(tiny, default_gguf):
+    """n > 1 siblings share the prompt's blocks across global and windowed layers."""
+    llm = LLM(tiny[0], tokenizer=default_gguf, dtype="float32", block_size=4, max_num_batched_tokens=16)
+    together, alone = seeded_samples_and_singles(llm, PROMPTS[:3])
+    assert together == alone
+    assert any(len({tuple(s) for s in samples}) > 1 for samples in together)

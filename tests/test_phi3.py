@@ -22,6 +22,7 @@ from tiny_models import (
     gguf_tensor_name,
     hf_argmax_agreement,
     hf_greedy,
+    seeded_samples_and_singles,
     variant,
     with_architecture,
     worst_prompt_logprob_error,
@@ -213,3 +214,10 @@ def test_other_phi_architectures_are_refused_by_name(tiny_phi3, default_gguf, tm
     folder = with_architecture(tiny_phi3, tmp_path / "small", "Phi3SmallForCausalLM")
     with pytest.raises(ValueError, match="unsupported architecture 'Phi3SmallForCausalLM'.*Phi3ForCausalLM"):
         LLM(folder, tokenizer=default_gguf)
+
+
+def test_tiny_phi3_parallel_samples_equal_each_sample_alone(tiny_phi3, default_gguf):
+    llm = LLM(tiny_phi3, tokenizer=default_gguf, dtype="float32", block_size=4, max_num_batched_tokens=32)
+    together, alone = seeded_samples_and_singles(llm, LONG[:2])
+    assert together == alone
+    assert any(len({tuple(s) for s in samples}) > 1 for samples in together)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, hf_greedy
+from tiny_models import build_tiny_model, hf_greedy, seeded_samples_and_singles
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.kv_cache_manager import FREED
@@ -100,3 +100,13 @@ def test_qwen2_with_window_layers_and_global_layers_matches_hf(tmp_path, default
     # The same weights (same seed) with every layer global give other tokens: the window is felt.
     plain = str(build_tiny_model(tmp_path / "q2-global", "qwen2"))
     assert hf_windowed(plain) != hf_windowed(path)
+
+
+def test_parallel_samples_with_a_window_equal_each_sample_alone(tiny_mistral, default_gguf):
+    """n > 1 siblings fork onto the prompt's blocks, and each frees its own references as the window moves on
+    (block_size 4: the shared prompt blocks leave the window within a few tokens)."""
+    llm = LLM(tiny_mistral, tokenizer=default_gguf, dtype="float32", block_size=4, max_num_batched_tokens=16)
+    together, alone = seeded_samples_and_singles(llm, PROMPTS[:4], max_new=24)
+    assert together == alone
+    assert any(len({tuple(s) for s in samples}) > 1 for samples in together)  # the samples differ
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks

@@ -183,3 +183,19 @@ def finish_gguf(writer: Any) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def seeded_samples_and_singles(llm: Any, prompts: list[list[int]], n: int = 3, seed: int = 7,
+                               max_new: int = 16) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    """(the n samples of each seeded request, each sample rerun alone): sample i of a request seeded s draws
+    from seed s + i, so the two are equal exactly when forking (the siblings share the prompt's blocks,
+    copy-on-write) changes nothing."""
+    from pagoda import SamplingParams
+
+    def run(k: int, s: int) -> list[list[list[int]]]:
+        params = SamplingParams(n=k, temperature=0.8, top_k=50, seed=s, max_tokens=max_new, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[c.token_ids for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+    singles = [run(1, seed + i) for i in range(n)]
+    return run(n, seed), [[singles[i][p][0] for i in range(n)] for p in range(len(prompts))]
