@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, hf_greedy, seeded_samples_and_singles
+from tiny_models import build_tiny_model, hf_greedy, seeded_samples_and_singles, worst_prompt_logprob_error
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.kv_cache_manager import FREED
@@ -110,3 +110,15 @@ def test_parallel_samples_with_a_window_equal_each_sample_alone(tiny_mistral, de
     assert together == alone
     assert any(len({tuple(s) for s in samples}) > 1 for samples in together)  # the samples differ
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_sliding_window_prompt_logprobs_match_hf(tiny_mistral, default_gguf, kernels):
+    """A 67-token prompt in chunks of 16 over blocks of 4: most positions see a window that starts past the first
+    block. fp32 on both sides, float rounding only (measured a few 1e-6); attending to every key moves these
+    logprobs by units."""
+    prompt = PROMPTS[3]
+    llm = LLM(tiny_mistral, tokenizer=default_gguf, dtype="float32", block_size=4, max_num_batched_tokens=16,
+              kernels=kernels)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    assert worst_prompt_logprob_error(tiny_mistral, prompt, out.prompt_logprobs) < 1e-4
