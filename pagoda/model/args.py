@@ -86,7 +86,6 @@ class ModelArgs:
                 rope_theta = rope_theta or rope_params.get("rope_theta")
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
-            max_positions = _size(cfg, "max_position_embeddings", 2048)
             partial = 1.0
             if arch == "Phi3ForCausalLM":  # the Llama family ignores partial_rotary_factor; transformers' Phi3 reads it
                 rp = rope_params if isinstance(rope_params, dict) else {}
@@ -105,7 +104,7 @@ class ModelArgs:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch in _GEMMA else 1e-5)),
                 rope_theta=float(rope_theta or (1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0)),
                 rope_scaling=rope_scaling,
-                max_position_embeddings=max_positions,
+                max_position_embeddings=_size(cfg, "max_position_embeddings", 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
@@ -195,7 +194,10 @@ _REQUIRED = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_s
 # allocated. max_position_embeddings sizes the rotary cos/sin tables.
 _LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
            "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
-           "head_dim": 1024, "max_position_embeddings": 1 << 20, "sliding_window_pattern": 1024}
+           "head_dim": 1024, "max_position_embeddings": 1 << 20, "sliding_window_pattern": 1024,
+           # MoE (Mixtral, Qwen3-MoE): DeepSeek-V3 has 256 experts, Qwen3-235B-A22B 128.
+           "num_local_experts": 1024, "num_experts": 1024, "num_experts_per_tok": 1024, "decoder_sparse_step": 1024,
+           "moe_intermediate_size": 1 << 18}
 
 
 def _size(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -241,7 +243,3 @@ def _top_k(cfg: dict[str, Any], experts: int, default: int) -> int:
         raise ValueError(f"bad config value: num_experts_per_tok = {top_k} (more than the {experts} experts)")
     return top_k
 
-
-# MoE sizes (Mixtral, Qwen3-MoE): DeepSeek-V3 has 256 experts, Qwen3-235B-A22B 128.
-_LIMITS |= {"num_local_experts": 1024, "num_experts": 1024, "num_experts_per_tok": 1024, "decoder_sparse_step": 1024,
-            "moe_intermediate_size": 1 << 18}

@@ -170,6 +170,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 / Gemma 3 text; Llama's weight loading (same HF names, q|k|v and gate|up fused), attention
     layers and kernel choice (prepare), with Gemma's layers, embedding scale and logit soft-cap."""
 
+    embed_scale: torch.Tensor  # sqrt(hidden) in the compute dtype, set by prepare()
+
     def __init__(self, a: ModelArgs, max_model_len: int | None = None) -> None:
         nn.Module.__init__(self)  # not Llama's layers: Gemma's own are built here
         self.args = a
@@ -198,9 +200,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. `num_layers` exits early (self-speculative drafts)."""
-        x = self.embed_tokens(input_ids)
-        # sqrt(hidden) rounded to the compute dtype first, as transformers' scaled embedding does.
-        x = x * torch.tensor(self.args.hidden_size ** 0.5, dtype=x.dtype)
+        x = self.embed_tokens(input_ids) * self.embed_scale
         residual = None
         for layer in self.layers if num_layers is None else islice(self.layers, num_layers):
             x, residual = layer(x, residual, positions, meta)
@@ -209,6 +209,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def prepare(self, policy: KernelPolicy) -> None:
         """Llama's kernel choice per layer, then each norm's (1 + w) folded once from its loaded weight."""
         super().prepare(policy)
+        # sqrt(hidden) rounded to the compute dtype first, as transformers' scaled embedding does.
+        self.embed_scale = torch.tensor(self.args.hidden_size ** 0.5, dtype=self.norm.weight.dtype)
         for m in self.modules():
             if isinstance(m, GemmaRMSNorm):
                 m.fold()

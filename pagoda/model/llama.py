@@ -20,6 +20,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quant_embedding import QuantEmbedding
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.args import ModelArgs
+from pagoda.model.weights import fused_target
 
 
 class LlamaAttention(nn.Module):
@@ -182,7 +183,6 @@ class LlamaForCausalLM(nn.Module):
         a = self.args
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}  # other parts (gate|up): equal shares
-        fused = {part: (target, parts) for target, parts in self.packed_modules.items() for part in parts}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -190,19 +190,16 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and a.tie_word_embeddings:
                 continue
-            target = self.module_path(name)
-            part = next((q for q in fused if f".{q}." in target), None)
-            if part is not None:
-                target = target.replace(f".{part}.", f".{fused[part][0]}.")
+            module, _, leaf = name.rpartition(".")
+            path, index, count = fused_target(self, module)
+            target = f"{path}.{leaf}"
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
-            p = params[target]
-            dst = p.data
-            if part is not None:  # its slice of the fused rows
-                parts = fused[part][1]
-                rows = [sizes.get(q, p.shape[0] // len(parts)) for q in parts]
-                i = parts.index(part)
-                dst = dst.narrow(0, sum(rows[:i]), rows[i])
+            dst = params[target].data
+            if count > 1:  # its slice of the fused rows
+                parts = self.packed_modules[path.rpartition(".")[2]]
+                rows = [sizes.get(q, dst.shape[0] // count) for q in parts]
+                dst = dst.narrow(0, sum(rows[:index]), rows[index])
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
             dst.copy_(tensor)
