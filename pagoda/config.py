@@ -121,6 +121,9 @@ class EngineConfig:
     kernels: str = "auto"
     # int8: INT4 layers quantize activations to INT8 and use VNNI dot products (faster, +2% perplexity)
     int4_activations: str = "float"
+    # Ranks the model is split over (Megatron-style, executor/multiproc.py): spawned on this host, or started
+    # by torchrun across hosts.
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -131,7 +134,7 @@ class EngineConfig:
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
                     "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward",
-                    "kernels", "int4_activations"}
+                    "kernels", "int4_activations", "tensor_parallel_size"}
         unknown = set(kw) - cache_keys - sched_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -153,6 +156,8 @@ class EngineConfig:
 
         resolve_dtype(self.dtype, self.device)
         check_kernels(self.kernels, self.int4_activations)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         memory = parse_memory(self.cache.kv_cache_memory)
         if memory is not None and memory <= 0:
             raise ValueError("kv_cache_memory must be positive")

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagoda.distributed.errors import WorkerDiedError
 from pagoda.engine.stats import EngineStats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -267,6 +268,9 @@ class AsyncEngine:
                     if isinstance(cmd, AddRequest):
                         self._reject(cmd, EngineDeadError(f"engine is dead: {e}"))
                 self._commands = []
+        finally:
+            with contextlib.suppress(Exception):  # stop the other tensor-parallel ranks, if any
+                self.engine.close()
 
     def _handle_commands(self, commands: list[Command]) -> bool:
         """Apply queued commands; True means shut down now."""
@@ -312,6 +316,8 @@ class AsyncEngine:
             # step() fails the requests a failure belongs to and returns; reaching the handler below
             # means a bug in the engine's own recovery.
             outputs = self.engine.step()
+        except WorkerDiedError:  # the engine cannot go on: _run fails everything and refuses new work
+            raise
         except Exception:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._streams))
             for rid in list(self._streams):

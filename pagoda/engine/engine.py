@@ -15,11 +15,13 @@ import torch
 from pagoda.config import EngineConfig, resolve_dtype
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.distributed.errors import WorkerDiedError
 from pagoda.engine.emitted import Emitted
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request import Request, Sequence
 from pagoda.engine.stats import EngineStats
 from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.multiproc import TensorParallelRunner
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import resolve_model_files
@@ -60,7 +62,11 @@ class LLMEngine:
                              f"{self.args.max_position_embeddings}")
         policy = config.kernel_policy()
         logger.info("CPU kernels: %s", policy.kernel_set)
-        self.runner = ModelRunner(config, self.files, self.args, self.dtype, policy)
+        if config.tensor_parallel_size > 1:  # this process is rank 0: it spawns or joins the other ranks
+            self.runner: ModelRunner | TensorParallelRunner = TensorParallelRunner.start(
+                config, self.files, self.args, self.dtype, policy)
+        else:
+            self.runner = ModelRunner(config, self.files, self.args, self.dtype, policy)
         # Enough blocks for every sequence at full context, capped by free RAM (CacheConfig.pool_bytes).
         blocks_wanted = sched_cfg.max_num_seqs * -(-self.max_model_len // config.cache.block_size)
         num_blocks = config.cache.pool_bytes(self.runner.kv_bytes_per_block(), blocks_wanted) \
@@ -259,6 +265,11 @@ class LLMEngine:
         """Forget every cached prefix (blocks in use keep their KV but are no longer shared)."""
         self.kv.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (a single-process engine holds nothing to stop)."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -295,6 +306,8 @@ class LLMEngine:
         self._step_seqs = None
         try:
             return self._step()
+        except WorkerDiedError:  # not this step's fault, and no later step can run: the engine is dead
+            raise
         except Exception:
             seqs = self._step_seqs
             if seqs is None:  # failed before scheduling: the running set, else the queue's head

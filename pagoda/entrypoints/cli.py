@@ -71,6 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int4-activations", default=None, choices=list(INT4_ACTIVATIONS),
                    help="int8: INT4 weights compute with INT8 activations (VNNI; faster, slightly higher "
                         "perplexity; see docs/benchmarks.md) (default float)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="split the model over this many ranks: processes spawned on this host, each bound to its "
+                        "share of the cores; across hosts, start every rank with torchrun (default 1)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -87,7 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
             "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
-            "int4_activations"]
+            "int4_activations", "tensor_parallel_size"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -58,6 +58,10 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (they also stop when this process exits)."""
+        self.engine.close()
+
     def reset_prefix_cache(self) -> None:
         """Drop all cached prefixes (for benchmarks that compare cold and warm runs)."""
         self.engine.reset_prefix_cache()

@@ -1,15 +1,18 @@
 """ModelRunner: a scheduled batch -> flat varlen tensors -> one forward pass -> logits of sampling rows."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.scheduler import SchedulerOutput
+from pagoda.distributed.tensor_parallel import Shard, parallelize
 from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
 from pagoda.kernels.paged_attention import k_cache_shape
 from pagoda.kernels.policy import KernelPolicy
@@ -20,6 +23,9 @@ from pagoda.model.loader import ModelFiles
 from pagoda.model.registry import model_class
 from pagoda.model.weights import is_linear_weight, load_weights
 from pagoda.quantization.loading import load_plan
+
+if TYPE_CHECKING:
+    from pagoda.distributed.communicator import Communicator
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +74,15 @@ class FlatBatch:
 
 
 class ModelRunner:
+    """One process's model and KV pool. Under tensor parallelism (`shard`, `comm`) each rank's runner holds its
+    shard (distributed/tensor_parallel.py) and runs the same StepInputs as every other rank."""
+
     def __init__(self, config: EngineConfig, files: ModelFiles, args: ModelArgs, dtype: torch.dtype,
-                 policy: KernelPolicy) -> None:
+                 policy: KernelPolicy, shard: Shard | None = None, comm: Communicator | None = None) -> None:
         self.config = config
         self.policy = policy
-        self.args = args
+        self.args = args  # the full model's (the logits' width)
+        self.local_args = args if shard is None else shard.local_args(args)  # what this process holds
         self.dtype = dtype
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
@@ -80,7 +90,7 @@ class ModelRunner:
         # The longest context served (the engine checks it against the model's); LongRoPE picks its factors by it.
         max_model_len = config.scheduler.max_model_len or args.max_position_embeddings
         with torch.device("meta"):
-            model = model_class(args)(args, max_model_len)
+            model = model_class(args)(self.local_args, max_model_len)
         model = model.to_empty(device=self.device).to(dtype)
         # Non-persistent buffers (rope tables) were never materialized on meta: rebuild them.
         for m in model.modules():
@@ -89,8 +99,13 @@ class ModelRunner:
         # Weights as stored, or quantized by config.quantization (ties lm_head to the embedding).
         plan = load_plan(files, dtype, config.quantization, config.quantization_group_size,
                          functools.partial(is_linear_weight, model))
+        if shard is not None:
+            plan = dataclasses.replace(plan, weights=shard.shard_weights(model, args, plan.weights))
         load_weights(model, plan, dtype)
         model.prepare(policy)
+        if shard is not None:
+            assert comm is not None
+            parallelize(model, shard, comm)
         self.model = model.eval()
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -99,7 +114,7 @@ class ModelRunner:
     # ---- KV pool -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         """K and V of every layer for one block, 8-bit formats' scales included (the pool size stays honest)."""
-        a = self.args
+        a = self.local_args
         fmt = kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype)
         return 2 * a.num_layers * a.num_kv_heads * self.block_size * fmt.bytes_per_row(a.head_dim)
 
@@ -108,7 +123,7 @@ class ModelRunner:
         words on CPUs whose attention kernel takes them: kernels/paged_attention.py k_cache_shape).
 
         8-bit kv_cache_dtype adds fp32 scales [num_blocks, Hkv, block_size] per layer for K and V."""
-        a = self.args
+        a = self.local_args
         fmt = kv_cache_format(self.config.cache.kv_cache_dtype, self.dtype)
         shape = (num_blocks, a.num_kv_heads, self.block_size, a.head_dim)
         k_shape = k_cache_shape(*shape, fmt.dtype, self.policy.cpp) if self.device.type == "cpu" else shape
@@ -140,33 +155,18 @@ class ModelRunner:
             v[dst] = v[src]
 
     # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[int, list[int]]) -> ModelOutput:
-        self.copy_blocks(sched.block_copies)
-        batch = FlatBatch(self.block_size)
-        sample_idx: list[int] = []
-        sample_rows: list[int] = []
-        prompt_spans: dict[int, tuple[int, int]] = {}
-        spec_spans: dict[int, tuple[int, int]] = {}
-        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
-            start = seq.num_computed_tokens
-            end = start + n
-            offset = batch.query_start[-1]
-            tokens = seq.token_ids[start:end]
-            num_spec = end - seq.num_tokens  # > 0: verify the last token and this many proposals
-            if num_spec > 0:
-                tokens = tokens + seq.spec_token_ids[:num_spec]
-                spec_spans[row] = (offset + seq.num_tokens - 1 - start, num_spec + 1)
-            batch.add(tokens, start, block_tables[seq.seq_id])
-            span = seq.request.prompt_logprobs_span(start, end)
-            if span is not None:  # (first, last) prompt positions -> (flat offset, length)
-                prompt_spans[row] = (offset + span[0] - start, span[1] - span[0])
-            if end == seq.num_tokens:  # the chunk reaches the last token: it samples
-                sample_idx.append(offset + n - 1)
-                sample_rows.append(row)
+        return self.run(step_input(sched, block_tables, self.block_size))
+
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> ModelOutput:
+        """One forward over `step`, and the logits it asks for (every rank of a tensor-parallel group runs it)."""
+        self.copy_blocks(step.block_copies)
+        batch = step.batch
         dev = self.device
         hidden = self.model(torch.tensor(batch.input_ids, device=dev), torch.tensor(batch.positions, device=dev),
-                            batch.metadata(dev))
+                            batch.metadata(dev), num_layers=step.num_layers)
+        sample_idx = step.sample_idx
         if len(sample_idx) == len(batch.input_ids):  # pure decode: every token samples, no gather needed
             logits = self.model.compute_logits(hidden)
         elif sample_idx:
@@ -174,24 +174,61 @@ class ModelRunner:
         else:
             logits = torch.empty(0, self.args.vocab_size)
         prompt_logits = {row: self.model.compute_logits(hidden[s:s + length])
-                         for row, (s, length) in prompt_spans.items() if length > 0}
+                         for row, (s, length) in step.prompt_spans.items() if length > 0}
         spec_logits: dict[int, torch.Tensor] = {}
-        if spec_spans:
-            spec = self.model.compute_logits(torch.cat([hidden[s:s + length] for s, length in spec_spans.values()]))
-            spec_logits = dict(zip(spec_spans, spec.cpu().split([length for _, length in spec_spans.values()])))
-        return ModelOutput(sample_logits=logits.cpu(), sample_rows=sample_rows,
+        if step.spec_spans:
+            spans = step.spec_spans
+            spec = self.model.compute_logits(torch.cat([hidden[s:s + length] for s, length in spans.values()]))
+            spec_logits = dict(zip(spans, spec.cpu().split([length for _, length in spans.values()])))
+        return ModelOutput(sample_logits=logits.cpu(), sample_rows=step.sample_rows,
                            prompt_logits={r: t.cpu() for r, t in prompt_logits.items()}, spec_logits=spec_logits)
 
-    @torch.inference_mode()
     def forward_rows(self, rows: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> torch.Tensor:
         """Run (tokens, first position, block table) rows, writing their KV; fp32 logits at each row's last token.
 
         The drafting path of speculative decoding: `num_layers` stops after the first L layers (early exit)."""
-        batch = FlatBatch(self.block_size)
-        for tokens, start, table in rows:
-            batch.add(tokens, start, table)
-        dev = self.device
-        hidden = self.model(torch.tensor(batch.input_ids, device=dev), torch.tensor(batch.positions, device=dev),
-                            batch.metadata(dev), num_layers=num_layers)
-        last = torch.tensor(batch.query_start[1:], device=dev) - 1
-        return self.model.compute_logits(hidden[last]).cpu()
+        return self.run(rows_input(rows, self.block_size, num_layers)).sample_logits
+
+
+@dataclass
+class StepInput:
+    """Everything one forward needs, as plain data: what rank 0 sends the other ranks of a tensor-parallel group."""
+    batch: FlatBatch
+    sample_idx: list[int]                 # flat index of each token that samples
+    sample_rows: list[int]                # its row in the SchedulerOutput
+    prompt_spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # row -> (flat offset, length)
+    spec_spans: dict[int, tuple[int, int]] = field(default_factory=dict)    # row -> (flat offset, 1 + k)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_layers: int | None = None         # early exit (self-speculative drafts)
+
+
+def step_input(sched: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int) -> StepInput:
+    """The flat batch of a scheduled step, and which of its positions need logits."""
+    batch = FlatBatch(block_size)
+    step = StepInput(batch, [], [], block_copies=list(sched.block_copies))
+    for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
+        start = seq.num_computed_tokens
+        end = start + n
+        offset = batch.query_start[-1]
+        tokens = seq.token_ids[start:end]
+        num_spec = end - seq.num_tokens  # > 0: verify the last token and this many proposals
+        if num_spec > 0:
+            tokens = tokens + seq.spec_token_ids[:num_spec]
+            step.spec_spans[row] = (offset + seq.num_tokens - 1 - start, num_spec + 1)
+        batch.add(tokens, start, block_tables[seq.seq_id])
+        span = seq.request.prompt_logprobs_span(start, end)
+        if span is not None:  # (first, last) prompt positions -> (flat offset, length)
+            step.prompt_spans[row] = (offset + span[0] - start, span[1] - span[0])
+        if end == seq.num_tokens:  # the chunk reaches the last token: it samples
+            step.sample_idx.append(offset + n - 1)
+            step.sample_rows.append(row)
+    return step
+
+
+def rows_input(rows: list[tuple[list[int], int, list[int]]], block_size: int, num_layers: int | None) -> StepInput:
+    """(tokens, first position, block table) rows sampling at their last token."""
+    batch = FlatBatch(block_size)
+    for tokens, start, table in rows:
+        batch.add(tokens, start, table)
+    last = [end - 1 for end in batch.query_start[1:]]
+    return StepInput(batch, last, list(range(len(rows))), num_layers=num_layers)

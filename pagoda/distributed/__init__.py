@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes: the collectives its ranks run (communicator.py)."""

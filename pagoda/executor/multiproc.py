@@ -1,0 +1,250 @@
+"""Tensor-parallel execution: rank 0 (the engine's process, with the scheduler and the KV manager) and worker
+ranks that run every step it runs on their shard of the model.
+
+On one host the engine spawns its workers itself and the ranks talk through shared memory
+(distributed/communicator.py ShmCommunicator); each rank is bound to its own share of the cores. Across hosts
+every rank is started by torchrun and they talk through torch.distributed (gloo): rank 0 runs the command
+(`pagoda serve`), the others `worker_loop`. Either way rank 0 broadcasts each command (a StepInput, a KV pool
+size, block copies) and then runs it itself; the model's collectives keep the ranks in step.
+
+A rank that dies ends the engine: the next collective names it (WorkerDiedError), and the engine stops rather
+than hang.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import traceback
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineConfig, resolve_dtype
+from pagoda.distributed.communicator import Communicator, ShmCommunicator, TorchDistCommunicator
+from pagoda.distributed.errors import WorkerDiedError
+from pagoda.distributed.tensor_parallel import Shard, split
+from pagoda.executor.model_runner import ModelOutput, ModelRunner, StepInput, rows_input, step_input
+from pagoda.model.args import ModelArgs
+from pagoda.model.loader import ModelFiles, resolve_model_files
+
+logger = logging.getLogger(__name__)
+
+# Workers load their shard while rank 0 loads its own; this bounds how long rank 0 waits for the slowest.
+_START_TIMEOUT_S = 600.0
+_SHM_BYTES = 16 << 20  # the shared segment's per-rank slot: a step's all-reduce or logits slice fits whole
+
+
+# ---- commands rank 0 broadcasts --------------------------------------------------------------------
+@dataclass
+class AllocateKV:
+    num_blocks: int
+
+
+@dataclass
+class CopyBlocks:
+    copies: list[tuple[int, int]]
+
+
+@dataclass
+class Run:
+    step: StepInput
+
+
+@dataclass
+class Stop:
+    pass
+
+
+def _apply(runner: ModelRunner, cmd: AllocateKV | CopyBlocks | Run) -> ModelOutput | None:
+    """What every rank does with a command (rank 0 keeps the output)."""
+    if isinstance(cmd, AllocateKV):
+        runner.allocate_kv_cache(cmd.num_blocks)
+    elif isinstance(cmd, CopyBlocks):
+        runner.copy_blocks(cmd.copies)
+    else:
+        return runner.run(cmd.step)
+    return None
+
+
+def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
+    """A worker rank: run what rank 0 broadcasts until it says Stop (or dies: the broadcast raises)."""
+    while True:
+        cmd = comm.broadcast_object(None)
+        if isinstance(cmd, Stop):
+            return
+        _apply(runner, cmd)
+
+
+def bind_cores(rank: int, world: int) -> None:
+    """Bind this process to rank `rank`'s share of the cores it may run on, one compute thread per core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= world:
+        mine = [cores[i] for i in split(len(cores), world, rank)]
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+    else:  # more ranks than cores: share them, one thread each
+        torch.set_num_threads(1)
+
+
+def _spawned_worker(rank: int, world: int, config: EngineConfig, files: ModelFiles, args: ModelArgs,
+                    shm_name: str, ready: mp.Queue) -> None:
+    """Entry point of a worker that rank 0 spawned on this host."""
+    try:
+        bind_cores(rank, world)
+        comm = ShmCommunicator.attach(shm_name, rank, world, _SHM_BYTES)
+        runner = ModelRunner(config, files, args, resolve_dtype(config.dtype, config.device),
+                             config.kernel_policy(), Shard.of(args, rank, world), comm)
+    except BaseException:
+        ready.put((rank, traceback.format_exc()))
+        raise
+    ready.put((rank, None))
+    try:
+        worker_loop(runner, comm)
+    finally:
+        comm.close()
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: the ModelRunner of its own shard, with every call broadcast to the other ranks first.
+    It answers what ModelRunner answers (the engine and the speculator use either)."""
+
+    def __init__(self, local: ModelRunner, comm: Communicator, workers: list[mp.process.BaseProcess]) -> None:
+        self.local, self.comm, self.workers = local, comm, workers
+        # What the engine, the speculator and the benchmarks read of a runner.
+        self.config, self.policy, self.args, self.dtype = local.config, local.policy, local.args, local.dtype
+        self.block_size, self.model = local.block_size, local.model
+
+    @classmethod
+    def start(cls, config: EngineConfig, files: ModelFiles, args: ModelArgs, dtype: torch.dtype,
+              policy) -> TensorParallelRunner:  # noqa: ANN001 (KernelPolicy: kernels/policy.py)
+        """Rank 0 of `config.tensor_parallel_size` ranks: spawned here on this host, or, under torchrun, the
+        ranks torchrun started (their process group is initialized here)."""
+        world = config.tensor_parallel_size
+        shards = [Shard.of(args, r, world) for r in range(world)]  # a size that cannot split fails here, once
+        if launched_by_torchrun():
+            comm = torchrun_communicator(world)
+            return cls(ModelRunner(config, files, args, dtype, policy, shards[0], comm), comm, [])
+        name = f"pagoda-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        comm = ShmCommunicator.create(name, world, _SHM_BYTES)
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        workers = [ctx.Process(target=_spawned_worker, args=(r, world, config, files, args, name, ready),
+                               name=f"pagoda-tp-rank{r}", daemon=True) for r in range(1, world)]
+        try:
+            for w in workers:
+                w.start()
+            bind_cores(0, world)
+            local = ModelRunner(config, files, args, dtype, policy, shards[0], comm)
+            _wait_ready(ready, workers)
+        except BaseException:
+            for w in workers:
+                w.kill()
+            comm.close()
+            raise
+        logger.info("tensor parallel: %d ranks on this host, shared-memory collectives", world)
+        return cls(local, comm, workers)
+
+    def _broadcast(self, cmd: AllocateKV | CopyBlocks | Run | Stop) -> None:
+        try:
+            self.comm.broadcast_object(cmd)
+        except RuntimeError as e:
+            raise WorkerDiedError(f"tensor parallelism: {e}") from e
+
+    def _call(self, cmd: AllocateKV | CopyBlocks | Run) -> ModelOutput | None:
+        self._broadcast(cmd)
+        try:
+            return _apply(self.local, cmd)
+        except RuntimeError as e:
+            if self.alive():
+                raise
+            raise WorkerDiedError(f"tensor parallelism: a worker rank exited during a step ({e})") from e
+
+    def alive(self) -> bool:
+        return all(w.is_alive() for w in self.workers)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.local.kv_bytes_per_block()  # rank 0 holds the most KV heads of any rank (Shard.of)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call(AllocateKV(num_blocks))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self._call(CopyBlocks(copies))
+
+    def execute(self, sched, block_tables: dict[int, list[int]]) -> ModelOutput:  # noqa: ANN001
+        return self.run(step_input(sched, block_tables, self.block_size))
+
+    def run(self, step: StepInput) -> ModelOutput:
+        out = self._call(Run(step))
+        assert out is not None
+        return out
+
+    def forward_rows(self, rows: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> torch.Tensor:
+        return self.run(rows_input(rows, self.block_size, num_layers)).sample_logits
+
+    def close(self) -> None:
+        """Stop the workers (they exit on their own if this process dies first: the collectives watch rank 0)."""
+        if self.workers and self.alive():
+            try:
+                self._broadcast(Stop())
+            except WorkerDiedError:
+                pass
+        for w in self.workers:
+            w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+        self.comm.close()
+
+
+def _wait_ready(ready: mp.Queue, workers: list[mp.process.BaseProcess]) -> None:
+    """Wait until every worker has loaded its shard; a worker's start-up error is raised here with its traceback."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    pending = len(workers)
+    while pending:
+        try:
+            rank, error = ready.get(timeout=0.5)
+        except queue.Empty:
+            dead = [w for w in workers if not w.is_alive()]
+            if dead:
+                raise WorkerDiedError(f"tensor-parallel worker {dead[0].name} exited during start-up "
+                                      f"(exit code {dead[0].exitcode})") from None
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"tensor-parallel workers not ready after {_START_TIMEOUT_S:.0f}s") from None
+            continue
+        if error is not None:
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{error}")
+        pending -= 1
+
+
+# ---- torchrun (several hosts) ----------------------------------------------------------------------
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def torchrun_communicator(world: int) -> TorchDistCommunicator:
+    """Join torchrun's process group (gloo; rendezvous from MASTER_ADDR/MASTER_PORT) and check its size."""
+    import torch.distributed as dist
+
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ValueError(f"tensor_parallel_size {world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return TorchDistCommunicator(dist.group.WORLD)
+
+
+def run_torchrun_worker(config: EngineConfig) -> None:
+    """A rank > 0 started by torchrun: load this rank's shard and run rank 0's commands until it stops."""
+    world, rank = config.tensor_parallel_size, int(os.environ["RANK"])
+    files = resolve_model_files(config.model)
+    args = ModelArgs.from_hf_config(files.hf_config)
+    comm = torchrun_communicator(world)
+    runner = ModelRunner(config, files, args, resolve_dtype(config.dtype, config.device), config.kernel_policy(),
+                         Shard.of(args, rank, world), comm)
+    logger.info("tensor-parallel rank %d of %d ready", rank, world)
+    worker_loop(runner, comm)

@@ -1,0 +1,61 @@
+"""`pagoda serve --tensor-parallel-size 2` through the official openai client: the answers of a one-process server,
+and a rank that dies turns the server into 503s, not a hang."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from pagoda import LLM, SamplingParams
+from tests.e2e.conftest import MODEL_NAME, ServerProcess
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tp_server() -> Iterator[ServerProcess]:
+    srv = ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                        "--served-model-name", MODEL_NAME)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        os.unlink(srv.log.name)
+
+
+def test_chat_and_stream_equal_one_process(tp_server: ServerProcess, default_gguf: str) -> None:
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    want = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    client = openai.OpenAI(base_url=f"{tp_server.url}/v1", api_key="none")
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=16)
+    assert reply.choices[0].message.content == want
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=16,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_a_dead_rank_turns_the_server_into_503s(tp_server: ServerProcess) -> None:
+    """Runs last in this module: the server is dead afterwards."""
+    children = psutil.Process(tp_server.proc.pid).children(recursive=True)
+    victim = max(children, key=lambda p: p.memory_info().rss)  # rank 1 holds weights; multiprocessing's helper not
+    os.kill(victim.pid, signal.SIGKILL)
+    client = openai.OpenAI(base_url=f"{tp_server.url}/v1", api_key="none", max_retries=0, timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=8)
+    assert err.value.status_code in (500, 503)
+    assert time.monotonic() - t0 < 15
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{tp_server.url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, f"/health still answers 200 after a rank died:\n{tp_server.log_tail()}"
+        time.sleep(0.2)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=8)
+    assert err.value.status_code == 503
