@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 from pagoda.config import EngineConfig, resolve_dtype
 from pagoda.distributed.communicator import Communicator, ShmCommunicator, TorchDistCommunicator
@@ -125,6 +126,8 @@ class TensorParallelRunner:
         shards = [Shard.of(args, r, world) for r in range(world)]  # a size that cannot split fails here, once
         if launched_by_torchrun():
             comm = torchrun_communicator(world)
+            bind_cores(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            logger.info("tensor parallel: %d ranks started by torchrun, torch.distributed (gloo) collectives", world)
             return cls(ModelRunner(config, files, args, dtype, policy, shards[0], comm), comm, [])
         name = f"pagoda-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         comm = ShmCommunicator.create(name, world, _SHM_BYTES)
@@ -157,9 +160,10 @@ class TensorParallelRunner:
         try:
             return _apply(self.local, cmd)
         except RuntimeError as e:
-            if self.alive():
+            # A spawned worker that exited, or a peer torch.distributed lost (torchrun): no step can run again.
+            if self.alive() and not isinstance(e, torch.distributed.DistBackendError):
                 raise
-            raise WorkerDiedError(f"tensor parallelism: a worker rank exited during a step ({e})") from e
+            raise WorkerDiedError(f"tensor parallelism: a rank exited during a step ({e})") from e
 
     def alive(self) -> bool:
         return all(w.is_alive() for w in self.workers)
@@ -244,6 +248,7 @@ def run_torchrun_worker(config: EngineConfig) -> None:
     files = resolve_model_files(config.model)
     args = ModelArgs.from_hf_config(files.hf_config)
     comm = torchrun_communicator(world)
+    bind_cores(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     runner = ModelRunner(config, files, args, resolve_dtype(config.dtype, config.device), config.kernel_policy(),
                          Shard.of(args, rank, world), comm)
     logger.info("tensor-parallel rank %d of %d ready", rank, world)

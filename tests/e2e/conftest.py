@@ -27,11 +27,12 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m pagoda.entrypoints.cli serve ...` with its output in a temp log (shown on failure)."""
 
-    def __init__(self, *extra_args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *extra_args: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()) -> None:
+        """`launcher`: arguments of python before `-m pagoda.entrypoints.cli`, e.g. torchrun's module and flags."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--dtype", "float32",
+        cmd = [sys.executable, *launcher, "-m", "pagoda.entrypoints.cli", "serve", "--dtype", "float32",
                "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     **(env or {})}

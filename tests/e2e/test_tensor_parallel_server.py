@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from pagoda import LLM, SamplingParams
-from tests.e2e.conftest import MODEL_NAME, ServerProcess
+from tests.e2e.conftest import MODEL_NAME, ServerProcess, free_port
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -59,3 +59,25 @@ def test_a_dead_rank_turns_the_server_into_503s(tp_server: ServerProcess) -> Non
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=8)
     assert err.value.status_code == 503
+
+
+def test_torchrun_ranks_serve_over_loopback() -> None:
+    """The multi-host launch, on one host: torchrun starts both ranks with the same command; rank 0 serves, rank 1
+    runs its shard, and their collectives go through torch.distributed (gloo) on 127.0.0.1."""
+    torchrun = ("-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+                "127.0.0.1", "--master-port", str(free_port()))
+    srv = ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                        "--served-model-name", MODEL_NAME, launcher=torchrun)
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+        want = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12),
+                            use_tqdm=False)[0].outputs[0].text
+        got = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", temperature=0,
+                                        max_tokens=12)
+        assert got.choices[0].text == want
+        assert "torch.distributed" in srv.log_tail(20000)
+    finally:
+        assert srv.stop() is not None
+        os.unlink(srv.log.name)
