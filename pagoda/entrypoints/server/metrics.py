@@ -1,12 +1,18 @@
-"""Prometheus metrics under vLLM's names with a `pagoda:` prefix, so vLLM dashboards map over.
+"""Prometheus metrics under vLLM's names with a `pagoda:` prefix, and the same series again under vLLM's own
+`vllm:` names with its `engine` label, so what reads a vLLM server (its Grafana dashboard, vllm-router's
+backend observations, gateways' scrapers) reads Pagoda unchanged.
 
 A dedicated CollectorRegistry keeps them apart from the process-global default registry (tests and
 embedders can build several apps in one process without duplicate-metric errors).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 
 from pagoda.engine.stats import EngineStats
 from pagoda.outputs import RequestOutput
@@ -21,6 +27,9 @@ _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX, VLLM_PREFIX = "pagoda:", "vllm:"
+# Pagoda's own series with no vLLM counterpart: not mirrored.
+_PAGODA_ONLY = frozenset({"pagoda:num_free_kv_blocks"})
 
 
 class ServerMetrics:
@@ -73,6 +82,9 @@ class ServerMetrics:
                                           _TOKEN_BUCKETS)
         self.request_generation_tokens = hist("pagoda:request_generation_tokens", "Generated tokens per request",
                                               _TOKEN_BUCKETS)
+        self.cache_config_info = Gauge("pagoda:cache_config_info", "The KV cache's configuration (the value is 1)",
+                                       ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"],
+                                       registry=r)
         self._label = model_name
         self._last_totals: dict[str, int] = {}
         # Touch every unlabelled-by-reason series so a fresh server already exposes them at 0.
@@ -83,6 +95,15 @@ class ServerMetrics:
                        self.ttft, self.tpot, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(model_name)
+        r.register(VllmNames([m for m in vars(self).values() if isinstance(m, MetricWrapperBase)]))
+
+    def set_cache_config(self, block_size: int, cache_dtype: str, enable_prefix_caching: bool,
+                         num_blocks: int) -> None:
+        """vLLM's `cache_config_info`: a gauge at 1 whose labels carry the KV cache's configuration (the
+        field names are vLLM's, `num_gpu_blocks` included: KV blocks in the pool, on any device)."""
+        self.cache_config_info.clear()
+        self.cache_config_info.labels(str(block_size), cache_dtype, str(enable_prefix_caching),
+                                      str(num_blocks)).set(1)
 
     # ---- AsyncEngine hook ------------------------------------------------------------------------
     def on_step(self, stats: EngineStats) -> None:
@@ -138,3 +159,25 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmNames:
+    """A collector that yields each `pagoda:` family again as vLLM names it (`vllm:` prefix, plus vLLM's
+    `engine` label: one engine per server, "0"). The values are read at scrape time from the same objects,
+    so the two names never disagree."""
+
+    def __init__(self, metrics: list[MetricWrapperBase], engine: str = "0") -> None:
+        self.metrics = metrics
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            for family in metric.collect():
+                if family.name in _PAGODA_ONLY or not family.name.startswith(PREFIX):
+                    continue
+                out = Metric(VLLM_PREFIX + family.name[len(PREFIX):], family.documentation, family.type,
+                             family.unit)
+                for s in family.samples:
+                    out.add_sample(VLLM_PREFIX + s.name[len(PREFIX):], {**s.labels, "engine": self.engine},
+                                   s.value, s.timestamp, s.exemplar)
+                yield out

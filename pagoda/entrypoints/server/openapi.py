@@ -22,8 +22,9 @@ _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch"
 _FASTAPI_SCHEMAS = ("HTTPValidationError", "ValidationError")
 
 # No API key needed here, even when the server runs with --api-key.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
-                          "/redoc"})
+# /ping and the load routes are probes too: vllm-router polls /get_load without the client's key.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/load", "/get_load", "/version", "/metrics", "/openapi.json", "/docs",
+                          "/docs/oauth2-redirect", "/redoc"})
 
 # Routes that generate: their JSON body and one chunk of their event stream (`stream: true`).
 GENERATION_ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
@@ -34,12 +35,16 @@ GENERATION_ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
 # Routes whose handler returns a bare Response, so FastAPI cannot see the 200: its content ({} = no body).
 PLAIN_OK: dict[str, dict[str, Any]] = {
     "/health": {},
+    "/ping": {},
+    "/health_generate": {},
     "/reset_prefix_cache": {},
+    "/flush_cache": {},
     "/metrics": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
 }
 
 # Error statuses a route answers besides those the rules in `_error_statuses` find.
-EXTRA_ERRORS: dict[str, frozenset[int]] = {"/health": frozenset({503})}
+EXTRA_ERRORS: dict[str, frozenset[int]] = {"/health": frozenset({503}), "/ping": frozenset({503}),
+                                           "/health_generate": frozenset({503})}
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a field of the wrong type, or a value out of range",

@@ -333,13 +333,33 @@ class ChatCompletionStreamResponse(_Model):
 
 
 # ---- models, tokenizer, errors ------------------------------------------------------------------
+class ModelPermission(_Model):
+    """vLLM lists one of these per model (OpenAI's retired permission object); clients written against it
+    read the fields."""
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(_Model):
+    """A model as vLLM's /v1/models lists it: OpenAI's fields, then root, parent, max_model_len, permission."""
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagoda"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(_Model):

@@ -21,6 +21,10 @@ from pagoda.entrypoints.server.settings import ServerSettings
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
+# The sampling fields a rendered prompt carries (all plain values).
+RENDERED_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                            "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop",
+                            "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens")
 logger = logging.getLogger(__name__)
 
 
@@ -306,6 +310,14 @@ class Serving:
     def sse_response(self, gen: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(gen, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def rendered(self, request_id: str, token_ids: list[int], params: SamplingParams, model: str, stream: bool,
+                 cache_salt: str | None) -> dict[str, Any]:
+        """A prompt as vLLM's render endpoints return it (its token-in GenerateRequest): what routers that place
+        requests by their tokens (vllm-router's cache_aware) ask each worker for."""
+        return {"request_id": request_id, "token_ids": token_ids, "model": model, "stream": stream,
+                "cache_salt": cache_salt, "token_offsets": None,
+                "sampling_params": {k: getattr(params, k) for k in RENDERED_SAMPLING_FIELDS}}
 
     async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:

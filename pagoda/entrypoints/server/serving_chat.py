@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: a conversation through the chat template, OpenAI's chat completion out, whole
-or streamed, with logprobs and tool calls (pagoda/tools)."""
+or streamed, with logprobs and tool calls (pagoda/tools); POST /v1/chat/completions/render: the prompt's token
+ids."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -27,9 +28,8 @@ class ChatServing:
         self.tool_format = choose_format(tool_call_parser, template)
         self.native_tools = template_reads_tools(template)  # else pagoda/tools/formats.py describes the tools
 
-    async def create(self, req: P.ChatCompletionRequest, request: Request) -> Any:
-        s = self.s
-        model = s.check_model(req.model)
+    def _prepare(self, req: P.ChatCompletionRequest) -> tuple[Any, Any, list[dict[str, Any]], Any]:
+        """The sampling parameters, tool plan, conversation and template tools of a request (400 if invalid)."""
         try:
             params = req.to_sampling_params()
             tools = req.tool_request()
@@ -40,6 +40,19 @@ class ChatServing:
             raise bad_request(e) from e
         if plan is not None:
             params = plan.apply(params)
+        return params, plan, conversation, template_tools
+
+    async def render(self, req: P.ChatCompletionRequest) -> dict[str, Any]:
+        """vLLM's /v1/chat/completions/render: the prompt /v1/chat/completions would run, nothing generated."""
+        model = self.s.check_model(req.model)
+        params, _, conversation, template_tools = self._prepare(req)
+        prompt_ids = await self.s.chat_prompt(conversation, req.add_generation_prompt, template_tools)
+        return self.s.rendered(P.random_id("chatcmpl"), prompt_ids, params, model, bool(req.stream), req.cache_salt)
+
+    async def create(self, req: P.ChatCompletionRequest, request: Request) -> Any:
+        s = self.s
+        model = s.check_model(req.model)
+        params, plan, conversation, template_tools = self._prepare(req)
         s.check_capacity(1)
         await s.compile_constraint(params)
         prompt_ids = await s.chat_prompt(conversation, req.add_generation_prompt, template_tools)

@@ -1,5 +1,5 @@
 """POST /v1/completions: prompts (text or token ids, one or many) in, OpenAI's legacy completion out, whole
-or streamed, with echo and legacy logprobs."""
+or streamed, with echo and legacy logprobs; POST /v1/completions/render: the same prompts as token ids."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -98,3 +98,16 @@ async def create_completion(s: Serving, req: P.CompletionRequest, request: Reque
         return result
 
     return s.sse_response(s.stream_events(request, queued, make_chunks, [], chunk if include_usage else None))
+
+
+async def render_completion(s: Serving, req: P.CompletionRequest) -> list[dict[str, Any]]:
+    """vLLM's /v1/completions/render: each prompt tokenized as /v1/completions would, nothing generated."""
+    model = s.check_model(req.model)
+    try:
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+    except ValueError as e:
+        raise bad_request(e) from e
+    prompt_ids = await s.off_loop(s.tokenize_all, prompts)
+    return [s.rendered(P.random_id("cmpl"), ids, params, model, bool(req.stream), req.cache_salt)
+            for ids in prompt_ids]
