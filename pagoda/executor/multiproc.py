@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import queue
+import time
 import traceback
 import uuid
 from dataclasses import dataclass
@@ -23,10 +25,12 @@ import torch
 import torch.distributed
 
 from pagoda.config import EngineConfig, resolve_dtype
+from pagoda.core.scheduler import SchedulerOutput
 from pagoda.distributed.communicator import Communicator, ShmCommunicator, TorchDistCommunicator
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.distributed.tensor_parallel import Shard, split
 from pagoda.executor.model_runner import ModelOutput, ModelRunner, StepInput, rows_input, step_input
+from pagoda.kernels.policy import KernelPolicy
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles, resolve_model_files
 
@@ -119,7 +123,7 @@ class TensorParallelRunner:
 
     @classmethod
     def start(cls, config: EngineConfig, files: ModelFiles, args: ModelArgs, dtype: torch.dtype,
-              policy) -> TensorParallelRunner:  # noqa: ANN001 (KernelPolicy: kernels/policy.py)
+              policy: KernelPolicy) -> TensorParallelRunner:
         """Rank 0 of `config.tensor_parallel_size` ranks: spawned here on this host, or, under torchrun, the
         ranks torchrun started (their process group is initialized here)."""
         world = config.tensor_parallel_size
@@ -178,7 +182,7 @@ class TensorParallelRunner:
         if copies:
             self._call(CopyBlocks(copies))
 
-    def execute(self, sched, block_tables: dict[int, list[int]]) -> ModelOutput:  # noqa: ANN001
+    def execute(self, sched: SchedulerOutput, block_tables: dict[int, list[int]]) -> ModelOutput:
         return self.run(step_input(sched, block_tables, self.block_size))
 
     def run(self, step: StepInput) -> ModelOutput:
@@ -205,9 +209,6 @@ class TensorParallelRunner:
 
 def _wait_ready(ready: mp.Queue, workers: list[mp.process.BaseProcess]) -> None:
     """Wait until every worker has loaded its shard; a worker's start-up error is raised here with its traceback."""
-    import queue
-    import time
-
     deadline = time.monotonic() + _START_TIMEOUT_S
     pending = len(workers)
     while pending:
