@@ -165,11 +165,15 @@ class TensorParallelRunner:
             return _apply(self.local, cmd)
         except RuntimeError as e:
             # A spawned worker that exited, or a peer torch.distributed lost (torchrun): no step can run again.
-            if self.alive() and not isinstance(e, torch.distributed.DistBackendError):
+            if not isinstance(e, torch.distributed.DistBackendError) and self.alive(grace_s=0.5):
                 raise
             raise WorkerDiedError(f"tensor parallelism: a rank exited during a step ({e})") from e
 
-    def alive(self) -> bool:
+    def alive(self, grace_s: float = 0.0) -> bool:
+        """Whether every spawned worker runs; `grace_s`: first wait that long for an exit the collectives may have
+        seen before this process reaps it."""
+        for w in self.workers:
+            w.join(timeout=grace_s)
         return all(w.is_alive() for w in self.workers)
 
     def kv_bytes_per_block(self) -> int:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -43,18 +43,11 @@ class ServerProcess:
         return Path(self.log.name).read_text(errors="replace")[-n:]
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        try:
+            wait_healthy(self.url, self.proc, self.log_tail, timeout)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 30) -> int | None:
         if self.proc.poll() is None:
@@ -65,6 +58,22 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_tail: Callable[[], str], timeout: float,
+                 poll_s: float = 0.5) -> None:
+    """Until `url`/health answers 200; raises if `proc` exits first or `timeout` passes (with its log's tail)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s:\n{log_tail()}")
 
 
 @pytest.fixture(scope="module")

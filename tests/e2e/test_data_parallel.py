@@ -26,7 +26,7 @@ from pagoda.bench.datasets import load_corpus
 from pagoda.bench.serve import server_counters
 from pagoda.entrypoints.cli import main as cli_main
 from pagoda.entrypoints.server import data_parallel
-from tests.e2e.conftest import ServerProcess, free_port
+from tests.e2e.conftest import ServerProcess, free_port, wait_healthy
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 REPLICA_ARGS = ("--kv-cache-memory", "128MiB", "--max-model-len", "512", "--max-num-seqs", "16")
@@ -50,16 +50,7 @@ class RouterProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, Path(self.log.name).read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(Path(self.log.name).read_text())
+        wait_healthy(self.url, self.proc, lambda: Path(self.log.name).read_text(), timeout, poll_s=0.2)
 
     def stop(self) -> None:
         self.proc.terminate()  # the router can sit in its graceful shutdown with idle client connections open

@@ -11,6 +11,7 @@ from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import bad_request
 from pagoda.entrypoints.server.serving import SentChoice, Serving, completion_logprobs, visible_text
 from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
 
 
 def _join_logprobs(first: P.CompletionLogprobs, then: P.CompletionLogprobs) -> P.CompletionLogprobs:
@@ -19,13 +20,17 @@ def _join_logprobs(first: P.CompletionLogprobs, then: P.CompletionLogprobs) -> P
     return first
 
 
-async def create_completion(s: Serving, req: P.CompletionRequest, request: Request) -> Any:
+def _parse(s: Serving, req: P.CompletionRequest) -> tuple[str, SamplingParams, list[str | list[int]]]:
+    """The served model's name, the sampling params and the prompts of a request (400 for a bad value)."""
     model = s.check_model(req.model)
     try:
-        params = req.to_sampling_params()
-        prompts = req.prompts()
+        return model, req.to_sampling_params(), req.prompts()
     except ValueError as e:
         raise bad_request(e) from e
+
+
+async def create_completion(s: Serving, req: P.CompletionRequest, request: Request) -> Any:
+    model, params, prompts = _parse(s, req)
     s.check_capacity(len(prompts))
     await s.compile_constraint(params)
     prompt_ids = await s.off_loop(s.tokenize_all, prompts)
@@ -102,12 +107,7 @@ async def create_completion(s: Serving, req: P.CompletionRequest, request: Reque
 
 async def render_completion(s: Serving, req: P.CompletionRequest) -> list[dict[str, Any]]:
     """vLLM's /v1/completions/render: each prompt tokenized as /v1/completions would, nothing generated."""
-    model = s.check_model(req.model)
-    try:
-        params = req.to_sampling_params()
-        prompts = req.prompts()
-    except ValueError as e:
-        raise bad_request(e) from e
+    model, params, prompts = _parse(s, req)
     prompt_ids = await s.off_loop(s.tokenize_all, prompts)
     return [s.rendered(P.random_id("cmpl"), ids, params, model, bool(req.stream), req.cache_salt)
             for ids in prompt_ids]
