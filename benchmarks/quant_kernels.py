@@ -48,10 +48,10 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         # oneDNN on a weight packed at load: the dense Linear's path above SMALL_M rows where panels can't run.
         "fp32 prepacked": lambda: linear(x, w, None, small_m_ok=False, packed=p32),
         "bf16 prepacked": lambda: linear(xb, wb, None, small_m_ok=False, packed=p16),
-        # The streaming kernel at every M (quant_linear itself switches at CPP_MAX_M).
-        "int4 pagoda": lambda: quant_linear(xb, p4, None, use_cpp=True, max_cpp_m=1 << 30),
-        "int8 pagoda": lambda: quant_linear(xb, p8, None, use_cpp=True, max_cpp_m=1 << 30),
-        "fp8 pagoda": lambda: quant_linear(xb, pf, None, use_cpp=True, max_cpp_m=1 << 30),
+        # The streaming kernel (at every M, as the layers run it).
+        "int4 pagoda": lambda: quant_linear(xb, p4, None, use_cpp=True),
+        "int8 pagoda": lambda: quant_linear(xb, p8, None, use_cpp=True),
+        "fp8 pagoda": lambda: quant_linear(xb, pf, None, use_cpp=True),
         "int4 dequant(C++)+bf16": lambda: dequant_linear(xb, p4, None, use_cpp=True),
     }
     for name, xx, ww in (("fp32 panels", x, w), ("bf16 panels", xb, wb)):  # the dense Linear's kernel
@@ -65,7 +65,7 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         out["fp8 panels"] = lambda: quant_linear(xb, pfp, None, use_cpp=True)
     if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # int4_activations="int8"
         p4x8 = p4.interleave8()
-        out["int4x8 int8-act"] = lambda: quant_linear(xb, p4x8, None, use_cpp=True, max_cpp_m=1 << 30)
+        out["int4x8 int8-act"] = lambda: quant_linear(xb, p4x8, None, use_cpp=True)
     q8 = p8.data
     s8 = p8.scales.view(-1).bfloat16()
     out["int8 aten int8pack"] = lambda: torch.ops.aten._weight_int8pack_mm(xb, q8, s8)
@@ -101,8 +101,7 @@ def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[s
 
 
 def _quant_kernels(ws: list[PackedWeight]) -> dict[str, LayerCall]:
-    """Quantized layers and LM head, bf16 activations: the row-major kernels (streaming up to CPP_MAX_M
-    rows, dequantize-then-oneDNN above) first; then the panels."""
+    """Quantized layers and LM head, bf16 activations: the row-major streaming kernels first; then the panels."""
     panels = [pw.panels16() for pw in ws]
     return {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True),
             "panels": lambda x, i: quant_linear(x, panels[i], None, use_cpp=True)}

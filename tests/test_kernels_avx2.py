@@ -15,7 +15,7 @@ from pagoda.kernels.cpu_features import has_x86_64_v3
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/test_paged_attention.py", "tests/test_fused_ops.py", "tests/test_linear_kernel.py",
-                "tests/test_quant_kernels.py", "tests/test_kv_cache_dtype.py",
+                "tests/test_quant_kernels.py", "tests/test_kv_cache_dtype.py", "tests/test_batch_invariance.py",
                 "tests/test_kernels_avx2.py::test_avx2_build_offers_no_avx512_only_kernels",
                 "tests/test_kernels_avx2.py::test_a_process_holds_one_kernel_build"]
 # Greedy equals HF fp32 over the tiny Llama, Qwen2 and Qwen3 (prefill, decode, chunked prefill, preemption,
@@ -82,7 +82,8 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
         kernel = choose_linear_kernel(None, pw, None, dtype, KernelPolicy(cpp=True, int4_activations="int8"))
         assert kernel.qweight.layout == "rows" and not kernel.cpp and kernel.stack_args() is None
         x = torch.randn(3, 128, dtype=dtype)
-        torch.testing.assert_close(kernel.run(x), x @ pw.dequantize(dtype).T)
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}  # oneDNN's fp32 sums against MKL's
+        torch.testing.assert_close(kernel.run(x), x @ pw.dequantize(dtype).T, **tol)
     assert choose_linear_kernel(w, None, None, torch.float32, policy).stack_args() is None  # no decoder stack
 
 

@@ -101,11 +101,11 @@ def test_model_sweep_times_panels_against_the_kernel_they_replaced():
 
 def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
     from pagoda.kernels.cpu_extension import kernel_available
-    from pagoda.kernels.linear import PANELS_STACK_MAX_M
+    from pagoda.kernels.linear import ANY_M
     from pagoda.kernels.linear_formats import DENSE, LINEAR_FORMATS, PANELS
     from pagoda.kernels.linear_kernel import choose_linear_kernel
     from pagoda.kernels.policy import TORCH_ONLY, KernelPolicy
-    from pagoda.kernels.quant_linear import CPP_MAX_M, cpp_supported
+    from pagoda.kernels.quant_linear import cpp_supported
     from pagoda.quantization.methods import quantize_weight
 
     w, x = torch.randn(64, 128), torch.randn(3, 128)
@@ -118,12 +118,16 @@ def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
     dense = choose_linear_kernel(w, None, None, torch.float32, auto)
     assert dense.code == (PANELS if panel_pack(w) is not None else DENSE)
     if dense.code == PANELS:
-        assert dense.stack_args()[1:] == (PANELS, 0, PANELS_STACK_MAX_M)
+        assert dense.stack_args()[1:] == (PANELS, 0, ANY_M)
     torch.testing.assert_close(dense.run(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
     pw = quantize_weight("int4", w, 32)
-    q32 = choose_linear_kernel(None, pw, None, torch.float32, auto)  # fp32 activations keep the row layout
-    assert q32.qweight is pw and q32.code == LINEAR_FORMATS["int4"]
-    assert q32.stack_rows == (CPP_MAX_M if cpp_supported(pw) else 0)
-    q16 = choose_linear_kernel(None, pw, None, torch.bfloat16, auto)
-    if q16.qweight.layout == "panels16":  # the panel kernel serves every row count
-        assert q16.code == LINEAR_FORMATS["int4p"] and q16.stack_rows == PANELS_STACK_MAX_M
+    for dtype in (torch.float32, torch.bfloat16):
+        q = choose_linear_kernel(None, pw, None, dtype, auto)
+        if q.qweight.layout == "panels16":  # the panel kernel serves every row count, fp32 and bf16
+            assert q.code == LINEAR_FORMATS["int4p"] and q.stack_rows == ANY_M
+        else:  # so does the row-major streaming kernel (or none: the torch fallback)
+            assert q.qweight is pw and q.code == LINEAR_FORMATS["int4"]
+            assert q.stack_rows == (ANY_M if cpp_supported(pw) else 0)
+    odd = quantize_weight("int4", torch.randn(40, 128), 32)  # rows not a multiple of 16: no panels
+    q40 = choose_linear_kernel(None, odd, None, torch.float32, auto)
+    assert q40.qweight is odd and q40.stack_rows == (ANY_M if cpp_supported(odd) else 0)

@@ -8,18 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels.cpu_extension import build_isa, kernel_available
+from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.kv_quant import quantize_kv
 
 # With AVX-512 (in the loaded build: cpu_extension.build_isa) the C++ ops are vectorized and row-parallel:
 # faster than torch's at every size measured (RMSNorm with the residual add and silu_and_mul, from 8 to 512
 # rows), and they round where HF's unfused ops do. Without it (the avx2 build) their scalar loops only win
-# where op count dominates (decode, a few rows).
-_MAX_ROWS_SCALAR = 8
-
-
-def _rows_ok(x: torch.Tensor) -> bool:
-    return x.shape[0] <= _MAX_ROWS_SCALAR or build_isa().avx512
+# where op count dominates (decode, a few rows), but they run at every row count too: a row's result must not
+# depend on how many rows share the step (batch invariance, issue 21), and torch's ops round elsewhere.
 
 
 def _use_kernel(x: torch.Tensor, kernel: bool | None = None) -> bool:
@@ -31,7 +27,7 @@ def _use_kernel(x: torch.Tensor, kernel: bool | None = None) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
     """weight * normalize(x); with `residual`: residual += x in place, and the sum is normalized."""
-    if x.dim() == 2 and _rows_ok(x) and _use_kernel(x, kernel):
+    if x.dim() == 2 and _use_kernel(x, kernel):
         return torch.ops.pagoda.rms_norm(x, weight, eps, residual)
     if residual is not None:
         residual.add_(x)
@@ -60,7 +56,7 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def silu_and_mul(x: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     """[T, 2I] = [gate | up] -> silu(gate) * up."""
-    if x.stride(-1) == 1 and x.dim() == 2 and _rows_ok(x) and _use_kernel(x, kernel):
+    if x.stride(-1) == 1 and x.dim() == 2 and _use_kernel(x, kernel):
         return torch.ops.pagoda.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -3,10 +3,16 @@
 fp32 and bf16 on AVX-512: Pagoda's panel-packed GEMM (cpu/packed_linear.cpp) at every row count: over
 SmolLM2's linears with cold weights it beats the row-major streaming kernel and oneDNN's prepacked GEMM
 from 1 to 64 rows and stays within a few percent of oneDNN at prefill sizes. Elsewhere (shapes it can't
-take, other CPUs): the streaming kernel for few rows (SMALL_M) and oneDNN on a prepacked weight (beats
-F.linear, which re-lays the weight out on every call, from M = 9 up). `python -m benchmarks.quant_kernels`
-times them per shape; the figures are in docs/architecture.md and docs/benchmarks.md. The packed copy costs
-the weight's size in memory again.
+take, other CPUs, the torch fallback): oneDNN on a prepacked weight (beats F.linear, which re-lays the weight
+out on every call, from M = 9 up). `python -m benchmarks.quant_kernels` times them per shape; the figures are in
+docs/architecture.md and docs/benchmarks.md. The packed copy costs the weight's size in memory again.
+
+Batch invariance: a row's result must not depend on how many rows share the call. The panel kernel sums each
+output in one order at every row count. oneDNN does from two rows up, but computes one row alone with another
+kernel (measured with torch 2.13: fp32 and bf16, K 64-1536, N 64-49152, 2-2048 rows), so `onednn_linear` pads
+a lone row to two; MKL's fp32 GEMM (F.linear) changes its order up to 16 rows, and is not used where oneDNN is
+there. The few-row streaming kernel (small_m_linear) sums in another order than oneDNN, so a layer does not
+switch between them by row count.
 """
 from __future__ import annotations
 
@@ -16,10 +22,12 @@ import torch.nn.functional as F
 from pagoda.kernels.cpu_extension import build_isa
 
 SMALL_M = 8  # rows up to which the streaming kernel beats oneDNN/MKL (decode batches)
+MIN_ONEDNN_ROWS = 2  # see "Batch invariance" above
 PANEL = 16  # output columns per panel of packed_linear's layout
-# Over panel-packed weights the C++ decoder stack runs every step: its linear kernel is the same at every
-# row count, and one op call a step instead of ~8 a layer was +4% on bench throughput's 64-request run.
-PANELS_STACK_MAX_M = 1 << 30
+# stack_rows of a kernel that is the same at every row count (panels, the quantized kernels): the C++ decoder
+# stack runs every step with it; one op call a step instead of ~8 a layer was +4% on bench throughput's
+# 64-request run.
+ANY_M = 1 << 30
 
 
 def vector_kernels(dtype: torch.dtype) -> bool:
@@ -58,16 +66,36 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight^T (+ bias) through oneDNN, `weight` prepacked (prepack) or plain [N, K]; with fewer than
+    MIN_ONEDNN_ROWS rows x is padded with zeros, so each row's sums are the same at every M."""
+    m = x.shape[0]
+    if m >= MIN_ONEDNN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    padded = torch.cat([x, x.new_zeros(MIN_ONEDNN_ROWS - m, x.shape[1])])
+    return torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [], "")[:m]
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, through oneDNN (onednn_linear) for CPU fp32/bf16 where torch has it: the torch fallback's matmul
+    (a dequantized weight, a dense one without a prepacked copy)."""
+    if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype \
+            and x.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+        return onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small_m_ok: bool,
            packed: torch.Tensor | None = None, panels: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias). `panels`: panel_pack(weight), used at every M when set;
-    else `small_m_ok`: small_m_supported() for this layer, and `packed`: prepack(weight), used above
-    SMALL_M rows (same math as F.linear)."""
+    else `small_m_ok`: small_m_supported() for this layer, used up to SMALL_M rows (benchmarks only: a layer that
+    switches kernels by row count is not batch invariant), and `packed`: prepack(weight) (same math as
+    F.linear); else dense_linear."""
     if x.dim() == 2 and x.device.type == "cpu":
         if panels is not None and x.dtype == panels.dtype:
             return torch.ops.pagoda.packed_linear(x.contiguous(), panels, bias)
         if small_m_ok and x.shape[0] <= SMALL_M:
             return torch.ops.pagoda.small_m_linear(x.contiguous(), weight, bias)
         if packed is not None and x.dtype == weight.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+            return onednn_linear(x, packed, bias)
+    return dense_linear(x, weight, bias)

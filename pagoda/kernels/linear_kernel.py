@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.kernels.decoder_stack import LinearArgs
-from pagoda.kernels.linear import PANELS_STACK_MAX_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
+from pagoda.kernels.linear import ANY_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
 from pagoda.kernels.linear_formats import DENSE, PANELS
 from pagoda.kernels.policy import KernelPolicy
-from pagoda.kernels.quant_linear import CPP_MAX_M, PackedWeight, cpp_supported, kernel_layout, quant_linear
+from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, kernel_layout, quant_linear
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class LinearKernel:
     bias: torch.Tensor | None
     cpp: bool = False                 # the C++ kernels run it (dense: the few-row streaming kernel)
     panels: torch.Tensor | None = None  # dense: the weight in packed_linear's panels, used at every row count
-    onednn: torch.Tensor | None = None  # dense without panels: oneDNN's layout, above SMALL_M rows
+    onednn: torch.Tensor | None = None  # dense without panels: oneDNN's layout, used at every row count
     stack_rows: int = 0               # the C++ decoder stack runs steps up to this many rows with it (0: never)
     # x -> x @ W^T + b through the chosen kernel: bound once, so a call does no dispatch of its own
     run: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False, compare=False)
@@ -54,21 +54,21 @@ class LinearKernel:
 def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | None, bias: torch.Tensor | None,
                          act_dtype: torch.dtype, policy: KernelPolicy) -> LinearKernel:
     """The kernel for a float `weight` or a quantized `qweight` at activations of `act_dtype` under `policy`:
-    quantized weights take the layout their CPU kernel reads (kernel_layout: panels16, interleave8); float weights
-    are panel-packed where packed_linear takes them, else run the streaming kernel for few rows and oneDNN
-    on a prepacked copy above."""
+    quantized weights take the layout their CPU kernel reads (kernel_layout: panels16, interleave8), which it runs
+    at every row count; float weights are panel-packed where packed_linear takes them, else run oneDNN on a
+    prepacked copy. Each layer keeps one kernel at every row count (batch invariance, kernels/linear.py); the
+    few-row streaming kernel only serves where oneDNN is missing."""
     if qweight is not None:
         pw = kernel_layout(qweight, act_dtype, policy.int4_activations) if policy.cpp else qweight
         cpp = policy.cpp and cpp_supported(pw)
-        rows = (PANELS_STACK_MAX_M if pw.layout == "panels16" else CPP_MAX_M) if cpp else 0  # panels: every M
-        return LinearKernel(pw.code, None, pw, bias, cpp, stack_rows=rows)
+        return LinearKernel(pw.code, None, pw, bias, cpp, stack_rows=ANY_M if cpp else 0)
     assert weight is not None
     if not policy.cpp:
         return LinearKernel(DENSE, weight, None, bias, onednn=prepack(weight))  # oneDNN's layout: torch's own
     panels = panel_pack(weight)
     if panels is not None:
-        return LinearKernel(PANELS, weight, None, bias, panels=panels, stack_rows=PANELS_STACK_MAX_M)
-    small_m = weight.device.type == "cpu" and weight.is_contiguous() \
+        return LinearKernel(PANELS, weight, None, bias, panels=panels, stack_rows=ANY_M)
+    onednn = prepack(weight)
+    small_m = onednn is None and weight.device.type == "cpu" and weight.is_contiguous() \
         and small_m_supported(weight.dtype, weight.shape[1])
-    return LinearKernel(DENSE, weight, None, bias, small_m, onednn=prepack(weight),
-                        stack_rows=SMALL_M if small_m else 0)
+    return LinearKernel(DENSE, weight, None, bias, small_m, onednn=onednn, stack_rows=SMALL_M if small_m else 0)

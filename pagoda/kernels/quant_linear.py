@@ -1,17 +1,20 @@
-"""Quantized linear op: one interface over packed INT4 / INT8 / FP8 weights, dispatched per M.
+"""Quantized linear op: one interface over packed INT4 / INT8 / FP8 weights.
 
 Every format is stored as `PackedWeight`: codes plus a per-(row, group) fp32 scale and optional
 fp32 offset, w = code * scale + offset (INT4's zero point z becomes offset = -scale * z; GGUF Q4_1's
-min m is the offset directly). With bf16 activations INT4, INT8 and FP8 weights are prepared in panels of 16
-output columns (`kernel_layout`: layout "panels16") for one C++ kernel at every row count
-(cpu/quant_panel_linear.cpp). Otherwise the CPU path is the C++ streaming kernel (cpu/quant_linear.cpp),
-which reads each packed weight once per 8 activation rows and accumulates in fp32, for up to
-CPP_MAX_M rows (decode); more rows dequantize the weight in C++ and run oneDNN's GEMM (prefill). On
+min m is the offset directly). INT4, INT8 and FP8 weights are prepared in panels of 16 output columns
+(`kernel_layout`: layout "panels16") for one C++ kernel at every row count, with bf16 or fp32 activations
+(cpu/quant_panel_linear.cpp). Shapes the panels cannot take (rows not a multiple of 16) run the C++ streaming
+kernel (cpu/quant_linear.cpp), which reads each packed weight once per 8 activation rows and accumulates in
+fp32, also at every row count. On
 request (config `int4_activations="int8"`), INT4 layers are prepared in layout "interleave8" (`kernel_layout`):
-8 interleaved rows, whose few-row kernel quantizes activations to INT8 per 32 columns and computes with
-integer dot products (VNNI). Shapes the kernels cannot take (K or group not a multiple of 32), a missing
-build, or another device use the torch fallback (PackedWeight.dequantize, then F.linear). A CUDA path
-would plug in as another branch of `quant_linear`.
+8 interleaved rows, whose kernel quantizes activations to INT8 per 32 columns and computes with integer dot
+products (VNNI). Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another
+device use the torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
+
+Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
+output in one order at every row count, and the fallback multiplies through oneDNN with at least two rows
+(kernels/linear.py: onednn_linear); so no path switches kernels by row count.
 """
 from __future__ import annotations
 
@@ -19,10 +22,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.linear import PANEL
+from pagoda.kernels.linear import PANEL, dense_linear
 from pagoda.kernels.linear_formats import FIRST_PANEL_CODE, QUANT_CODES, Layout, QuantFormat
 
 # Output rows per row of `data`, by layout.
@@ -95,20 +97,13 @@ class PackedWeight:
                             "panels16")
 
     def int8_panels(self) -> PackedWeight:
-        """INT8 in panels16: the panel codes of a [N, 2K] INT4 weight [h | l], u = q + 128 = 16 h + l, so
-        that 8-bit codes are exact bf16 dot-product operands too (the kernel multiplies the h half by 16 x and
-        takes the 128 of u off the l half); scales and offsets are the INT8 weight's, as [N / 16, G, 16]."""
+        """INT8 in panels16: codes uint8 [N / 16, K / 8, 128] laid out as fp8_panels lays out e4m3 bytes (the kernel
+        turns each code into the bf16 integer it is); scales and offsets as [N / 16, G, 16]."""
         self._require_row_major("panels16", "int8", f"rows % {PANEL} == 0 and groups of a multiple of 8",
                                 self.out_features % PANEL == 0 and self.group_size % 8 == 0)
-        n, k = self.out_features, self.in_features
-        u = (self.data.to(torch.int16) + 128).to(torch.uint8)
-        halves = torch.cat([u >> 4, u & 0xF], dim=1)
-        ones = torch.ones(n, 2 * k // self.group_size)  # only the codes' layout is used
-        codes = PackedWeight("int4", (halves[:, 0::2] | (halves[:, 1::2] << 4)).contiguous(), ones, None,
-                             self.group_size, 2 * k).int4_panels().data
-        return PackedWeight("int8", codes, _panels_of(self.scales),
-                            None if self.offsets is None else _panels_of(self.offsets), self.group_size, k,
-                            "panels16")
+        return PackedWeight("int8", _byte_panels(self.data.view(torch.uint8)), _panels_of(self.scales),
+                            None if self.offsets is None else _panels_of(self.offsets), self.group_size,
+                            self.in_features, "panels16")
 
     def fp8_panels(self) -> PackedWeight:
         """FP8 in panels16: e4m3 bytes [N / 16, K / 8, 128], per panel and 8 k four 32-byte vdpbf16ps operands,
@@ -116,9 +111,8 @@ class PackedWeight:
         per-column scales as [N / 16, 1, 16]."""
         self._require_row_major("panels16", "fp8", f"per-channel scales, rows % {PANEL} == 0 and K % 8 == 0",
                                 self.out_features % PANEL == 0 and self.in_features % 8 == 0 and self.offsets is None)
-        n, k = self.out_features, self.in_features
-        data = self.data.view(n // PANEL, PANEL, k // 8, 4, 2).permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // 8, 128)
-        return PackedWeight("fp8", data.contiguous(), _panels_of(self.scales), None, self.group_size, k, "panels16")
+        return PackedWeight("fp8", _byte_panels(self.data), _panels_of(self.scales), None, self.group_size,
+                            self.in_features, "panels16")
 
     def row_major(self) -> PackedWeight:
         """Layout rows: the inverse of interleave8 and panels16 (a row-major weight is returned as it is)."""
@@ -129,9 +123,6 @@ class PackedWeight:
             data = self.data.view(n // 8, k // 64, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 2)
             offsets = None if self.offsets is None else _rows_of(self.offsets)
             return PackedWeight("int4", data.contiguous(), _rows_of(self.scales), offsets, self.group_size, k)
-        if self.format == "fp8":
-            data = self.data.view(n // PANEL, k // 8, 4, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
-            return PackedWeight("fp8", data.contiguous(), _rows_of(self.scales), None, self.group_size, k)
         return self._panel_rows(torch.arange(n))
 
     def codes(self) -> torch.Tensor:
@@ -158,7 +149,7 @@ class PackedWeight:
     def rows(self, index: torch.Tensor) -> PackedWeight:
         """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute; the rows
         a QuantEmbedding gathers), row-major."""
-        if self.layout == "panels16" and self.format != "fp8":  # nibble panels: gathered in place
+        if self.layout == "panels16":  # gathered in place
             return self._panel_rows(index)
         if self.layout != "rows":
             return self.row_major().rows(index)
@@ -167,22 +158,24 @@ class PackedWeight:
                             self.group_size, self.in_features)
 
     def _panel_rows(self, index: torch.Tensor) -> PackedWeight:
-        """rows() of INT4 / INT8 panels16 without re-laying the whole weight (a tied LM head's table serves the
-        embedding's lookups; with every row, row_major()): one gather of each selected column's 8 nibbles
-        per block."""
+        """rows() of a panels16 weight without re-laying the whole weight (a tied LM head's table serves the
+        embedding's lookups; with every row, row_major()): one gather of each selected column's 8 codes per block."""
         p, c = index // PANEL, index % PANEL
-        blocks = self.data[p]                                                   # [R, K'/8, 64]
-        nibbles = torch.cat([blocks & 0xF, blocks >> 4], dim=-1)                # [R, K'/8, 128]
-        where = _panel_column_nibbles()[c].unsqueeze(1).expand(-1, blocks.shape[1], -1)
-        q = nibbles.gather(2, where).reshape(len(index), -1)                   # codes [R, K'] in k order
+        blocks = self.data[p]                                                   # [R, K/8, 64 or 128]
         scales = self.scales[p, :, c].contiguous()
         offsets = None if self.offsets is None else self.offsets[p, :, c].contiguous()
         k = self.in_features
-        if self.format == "int8":
-            q = (16 * q[:, :k].to(torch.int16) + q[:, k:] - 128).to(torch.int8)
-            return PackedWeight("int8", q, scales, offsets, self.group_size, k)
-        return PackedWeight("int4", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scales, offsets,
-                            self.group_size, k)
+        if self.format == "int4":
+            codes = torch.cat([blocks & 0xF, blocks >> 4], dim=-1)              # nibbles [R, K/8, 128]
+            where = _panel_column_nibbles()[c]
+        else:  # one byte a code: byte 2c + j of operand o is column c at k = 2o + j
+            codes, where = blocks, _BYTE_PANEL_COLUMNS[c]
+        q = codes.gather(2, where.unsqueeze(1).expand(-1, blocks.shape[1], -1)).reshape(len(index), k)  # k order
+        if self.format == "int4":
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        elif self.format == "int8":
+            q = q.view(torch.int8)
+        return PackedWeight(self.format, q.contiguous(), scales, offsets, self.group_size, k)
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
@@ -207,6 +200,18 @@ def _blocks_of_8(t: torch.Tensor) -> torch.Tensor:
 def _panels_of(t: torch.Tensor) -> torch.Tensor:
     """[N, G] -> [N / 16, G, 16]: one group's scales of a panel's 16 columns are one vector."""
     return t.view(t.shape[0] // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def _byte_panels(data: torch.Tensor) -> torch.Tensor:
+    """One-byte codes uint8 [N, K] -> [N / 16, K / 8, 128]: per panel and 8 k, four 32-byte operands, byte 2c + j of
+    operand o being column c at k = 2o + j (fp8_panels, int8_panels)."""
+    n, k = data.shape
+    return data.view(n // PANEL, PANEL, k // 8, 4, 2).permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // 8, 128) \
+        .contiguous()
+
+
+# For column c of a byte panel and k of a block, where its byte is among the block's 128 (_byte_panels).
+_BYTE_PANEL_COLUMNS = (32 * (torch.arange(8) // 2) + torch.arange(8) % 2) + 2 * torch.arange(PANEL).unsqueeze(1)
 
 
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -240,9 +245,9 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
     `int4_activations="int8"` (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel
-    (VNNI + GFNI; K a multiple of 64; rows a multiple of 8); otherwise, with bf16 activations, every format
-    takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16). fp32 activations
-    keep the row-major kernels, which compute in fp32 (the panel kernel's operands are bf16)."""
+    (VNNI + GFNI; K a multiple of 64; rows a multiple of 8); otherwise, with bf16 or fp32 activations, every format
+    takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products,
+    or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes)."""
     if int4_activations not in ("int8", "float"):
         raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
     if pw.layout != "rows" or not cpp_supported(pw):
@@ -250,7 +255,8 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
     if int4_activations == "int8" and pw.format == "int4":
         ok = pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size)
         return pw.interleave8() if ok else pw
-    if act_dtype == torch.bfloat16 and pw.out_features % PANEL == 0 and (pw.format != "fp8" or pw.offsets is None) \
+    if act_dtype in (torch.bfloat16, torch.float32) and pw.out_features % PANEL == 0 \
+            and (pw.format != "fp8" or pw.offsets is None) \
             and torch.ops.pagoda.quant_panels_supported(pw.in_features, pw.group_size):
         return pw.panels16()
     return pw
@@ -263,40 +269,31 @@ def cpp_supported(pw: PackedWeight) -> bool:
     return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_linear_supported(k, g)
 
 
-# Above this many rows the weight is dequantized (C++, to the activation dtype) and multiplied by
-# oneDNN's GEMM: the streaming kernel is compute-bound there. Set from `python -m
-# benchmarks.quant_kernels` on this machine (see docs/architecture.md).
-CPP_MAX_M = 16
-
-
-def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, use_cpp: bool | None = None,
-                 max_cpp_m: int | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
+                 use_cpp: bool | None = None) -> torch.Tensor:
     """x [..., K] @ dequant(pw)^T (+ bias), in x's dtype. `use_cpp`: cpp_supported(pw), precomputed per layer."""
     if use_cpp is None:
         use_cpp = cpp_supported(pw)
     if x.dim() != 2:
-        return quant_linear(x.reshape(-1, x.shape[-1]), pw, bias, use_cpp, max_cpp_m).reshape(*x.shape[:-1], -1)
-    m = x.shape[0]
-    if pw.layout == "panels16":  # the panel kernel runs every row count; it takes bf16 only
-        if use_cpp and m > 0 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return torch.ops.pagoda.quant_panel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets,
-                                                       None if bias is None else bias.float().contiguous(),
-                                                       pw.group_size, pw.code - FIRST_PANEL_CODE)
-        return F.linear(x, pw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
-    if use_cpp and 0 < m <= (CPP_MAX_M if max_cpp_m is None else max_cpp_m) and x.device.type == "cpu":
+        return quant_linear(x.reshape(-1, x.shape[-1]), pw, bias, use_cpp).reshape(*x.shape[:-1], -1)
+    if use_cpp and x.shape[0] > 0 and x.device.type == "cpu":
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
-        return torch.ops.pagoda.quant_linear(x if x.is_contiguous() else x.contiguous(), pw.data, pw.scales,
-                                             pw.offsets, None if bias is None else bias.float().contiguous(),
-                                             pw.code, pw.group_size)
-    return dequant_linear(x, pw, bias, use_cpp)
+        b = None if bias is None else bias.float().contiguous()
+        if pw.layout != "panels16":
+            return torch.ops.pagoda.quant_linear(x.contiguous(), pw.data, pw.scales, pw.offsets, b, pw.code,
+                                                 pw.group_size)
+        if x.dtype in (torch.bfloat16, torch.float32):
+            return torch.ops.pagoda.quant_panel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets, b,
+                                                       pw.group_size, pw.code - FIRST_PANEL_CODE)
+    return dequant_linear(x, pw, bias)
 
 
 def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, use_cpp: bool = False) -> torch.Tensor:
-    """Dequantize to x's dtype (the C++ kernel where `use_cpp`, else PackedWeight.dequantize, the
-    reference) and run F.linear: the many-row path, and the fallback everywhere else."""
-    if use_cpp and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    """Dequantize to x's dtype (the C++ kernel where `use_cpp` and the build has it, else PackedWeight.dequantize,
+    the reference) and multiply: the torch fallback."""
+    if use_cpp and pw.layout != "panels16" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, pw.code, pw.group_size,
                                               pw.in_features, x.dtype)
     else:
         w = pw.dequantize(x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return dense_linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -16,7 +16,7 @@ enum LinearFormat : int64_t {
   kFp8 = 2,      // FP8 e4m3 codes, row-major
   kInt4x8 = 3,   // INT4 in blocks of 8 interleaved rows, INT8 activations (VNNI)
   kInt4p = 4,    // INT4 in panels of 16 output columns
-  kInt8p = 5,    // INT8 in panels, as two INT4 halves
+  kInt8p = 5,    // INT8 in panels, one byte a code
   kFp8p = 6,     // FP8 in panels
 };
 

@@ -39,7 +39,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias, int64_t fmt,
                         int64_t group_size);
 
-// kind: 0 INT4, 1 INT8 as two INT4 halves, 2 FP8 e4m3 (quant_panel_linear.cpp)
+// kind: 0 INT4, 1 INT8, 2 FP8 e4m3 (quant_panel_linear.cpp)
 at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                               int64_t group_size, int64_t kind);

@@ -1,5 +1,5 @@
-// The register tile of the panel-packed GEMM (packed_linear.cpp), shared with the INT4 panel kernel,
-// which runs it over panels it has just dequantized (quant_panel_linear.cpp).
+// The register tile of the panel-packed GEMM (packed_linear.cpp). Each output element is one fp32 chain over k in
+// order, whatever the tile's rows and panels (batch invariance).
 #pragma once
 
 #include <cstdint>

@@ -11,7 +11,11 @@
 //   int4x8: int4 codes in blocks of 8 rows [N/8, 4K], scales/offsets [N/8, G, 8] (blocks_int4x8_i8); the
 //           one format that quantizes activations (to int8 per 32 columns), chosen by the user
 // Sum over a group: s * dot(code, x) + o * sum(x), so offsets cost one scalar FMA per group.
-// Larger M runs in chunks of 8 rows over a block of weight rows that stays in L1/L2.
+// Larger M runs in chunks of 8 rows over a block of weight rows that stays in L1/L2. Every row count runs these
+// kernels (kernels/quant_linear.py), and each output's sum has one order whatever the row count: the row's own
+// chains over k, the group scales, the reduction and the offsets (batch invariance). With bf16 or fp32
+// activations the panel kernel (quant_panel_linear.cpp) takes every shape it can; these take the rest, and INT4
+// with INT8 activations (int4x8).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -503,9 +507,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return y;
 }
 
-// The float weight [N, K] in `dtype` (float32 or bfloat16), for many-row inputs: there the
-// streaming kernel is compute-bound, and oneDNN's GEMM on the dequantized weight is 2-3x faster
-// (benchmarks.quant_kernels). Same arithmetic as PackedWeight.dequantize, rounded once to dtype.
+// The float weight [N, K] in `dtype` (float32 or bfloat16), as PackedWeight.dequantize computes it, rounded once to
+// dtype: for paths that multiply by the dequantized weight (the MoE experts above a linear's row limit,
+// benchmarks.quant_kernels). No layer uses it since every row count runs the kernels above (batch invariance).
 at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                             int64_t fmt, int64_t group_size, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_dequantize: unknown format");
