@@ -121,6 +121,10 @@ class EngineConfig:
     kernels: str = "auto"
     # int8: INT4 layers quantize activations to INT8 and use VNNI dot products (faster, +2% perplexity)
     int4_activations: str = "float"
+    # auto: where several kernels can serve a linear layer's shape, time them once on this machine and keep the
+    # fastest (kernels/tuning.py; cached in tuning.json beside the kernel build); off: the built-in choice.
+    # PAGODA_KERNEL_TUNING sets the default (the test suite runs "off": its layouts must not depend on a timing).
+    kernel_tuning: str = field(default_factory=lambda: os.environ.get("PAGODA_KERNEL_TUNING", "auto"))
     # Ranks the model is split over (Megatron-style, executor/multiproc.py): spawned on this host, or started
     # by torchrun across hosts.
     tensor_parallel_size: int = 1
@@ -134,7 +138,7 @@ class EngineConfig:
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
                     "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward",
-                    "kernels", "int4_activations", "tensor_parallel_size"}
+                    "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size"}
         unknown = set(kw) - cache_keys - sched_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -155,7 +159,7 @@ class EngineConfig:
         from pagoda.spec_decode.config import SpeculativeConfig
 
         resolve_dtype(self.dtype, self.device)
-        check_kernels(self.kernels, self.int4_activations)
+        check_kernels(self.kernels, self.int4_activations, self.kernel_tuning)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         memory = parse_memory(self.cache.kv_cache_memory)
@@ -177,4 +181,4 @@ class EngineConfig:
 
     def kernel_policy(self) -> KernelPolicy:
         """The kernels this engine's models may use, resolved once (the C++ build is tried here)."""
-        return KernelPolicy.resolve(self.kernels, self.int4_activations)
+        return KernelPolicy.resolve(self.kernels, self.int4_activations, self.kernel_tuning)

@@ -10,6 +10,9 @@ from tiny_models import build_tiny_model
 
 # Keep each test process to the machine's cores without oversubscribing when xdist-like runners fork.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Engines choose the built-in kernels: which layout a layer gets must not depend on a timing (tests/
+# test_kernel_tuning.py turns tuning on where it tests it, with its own cache file). Server subprocesses inherit it.
+os.environ.setdefault("PAGODA_KERNEL_TUNING", "off")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -71,19 +71,19 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
     assert policy.cpp and policy.kernel_set == "avx2" == KernelPolicy.resolve("avx2").kernel_set
     with pytest.raises(RuntimeError, match="already loaded the C\\+\\+ kernels' 'avx2' build"):
         KernelPolicy.resolve("native")
-    # The AVX-512-only kernels are absent, and nothing chooses them.
+    # The AVX-512-only kernels are absent, and nothing chooses them; the portable row-major quantized kernel runs.
     assert not torch.ops.pagoda.quant_panels_supported(64, 64) and not torch.ops.pagoda.int4x8_supported(64, 64)
-    assert not torch.ops.pagoda.quant_linear_supported(64, 64)
+    assert torch.ops.pagoda.quant_linear_supported(64, 64)
     assert not k_words_supported(torch.bfloat16, 16, 64) and len(k_cache_shape(4, 2, 16, 64, torch.bfloat16)) == 4
     w = torch.randn(64, 128)
     assert panel_pack(w) is None and panel_pack(w.bfloat16()) is None and not small_m_supported(torch.float32, 128)
     pw = quantize_weight("int4", w, 32)
     for dtype in (torch.float32, torch.bfloat16):
         kernel = choose_linear_kernel(None, pw, None, dtype, KernelPolicy(cpp=True, int4_activations="int8"))
-        assert kernel.qweight.layout == "rows" and not kernel.cpp and kernel.stack_args() is None
+        assert kernel.qweight.layout == "rows" and kernel.cpp and kernel.stack_args() is not None
         x = torch.randn(3, 128, dtype=dtype)
-        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}  # oneDNN's fp32 sums against MKL's
-        torch.testing.assert_close(kernel.run(x), x @ pw.dequantize(dtype).T, **tol)
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(kernel.run(x).float(), (x.float() @ pw.dequantize().T), **tol)
     assert choose_linear_kernel(w, None, None, torch.float32, policy).stack_args() is None  # no decoder stack
 
 

@@ -47,10 +47,37 @@ def test_bf16_activations_and_3d_input(method):
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=2e-2)
 
 
-# The row-major kernels (quant_linear, quant_dequantize) are in the AVX-512 builds only: the avx2 build's layers
-# take the torch path (cpp_supported), and these tests skip there.
+# The row-major kernels (quant_linear, quant_dequantize) are portable vector code: every build has them (the avx2
+# build runs this file through tests/test_kernels_avx2.py).
 _ROWS = pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.quant_linear_supported(64, 64)),
-                           reason="the row-major kernels need the C++ kernels with AVX-512")
+                           reason="the C++ kernels did not build")
+
+
+# Every row count 1-256 crosses the kernel's passes (4 activation rows a pass on AVX2, 8 on AVX-512; 4 and 2
+# weight rows at a time at one and two rows) and its tile path (more rows than a pass: weights dequantized once).
+_ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 31, 64, 100, 129, 256]
+
+
+@_ROWS
+@pytest.mark.parametrize("fmt", ["int4", "int4-sym", "int4-g128", "int8", "int8-g32", "fp8"])
+def test_fp32_activations_equal_the_dequantized_reference_at_every_row_count(fmt):
+    """The property issue 21 asks for: per format and row count 1-256 the fp32-activation kernel equals x @ the
+    dequantized weight (within fp32 summation error), and each row equals that row computed alone, bit for bit."""
+    torch.manual_seed(len(fmt))
+    k, n = 576, 53  # 53 rows: the weight-row tails of every pass and tile
+    w = torch.randn(n, k) / k**0.5
+    method = fmt.split("-")[0]
+    pw = quantize_weight(method, w, 128 if "g128" in fmt else 32)
+    if fmt == "int4-sym":  # no offsets (GGUF Q4_0)
+        pw = PackedWeight("int4", pw.data, pw.scales, None, pw.group_size, k)
+    elif fmt == "int8-g32":  # GGUF Q8_0's grid
+        pw = PackedWeight("int8", pw.data, torch.rand(n, k // 32) / 64 + 1e-3, None, 32, k)
+    b = torch.randn(n)
+    x = torch.randn(max(_ROW_COUNTS), k)
+    alone = torch.cat([quant_linear(x[i:i + 1], pw, b, use_cpp=True) for i in range(len(x))])
+    torch.testing.assert_close(alone, _ref(x, pw, b), atol=1e-4, rtol=1e-4)
+    for m in _ROW_COUNTS:
+        assert torch.equal(quant_linear(x[:m], pw, b, use_cpp=True), alone[:m]), f"{m} rows"
 
 
 @_ROWS

@@ -97,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-path-ppl", action="store_true",
                    help="also score the text in steps of at most 16 tokens, so that every linear runs its few-row "
                         "(decode) kernel, e.g. +a8 rows' INT8 activations (the ppl column runs prefill-sized steps)")
+    p.add_argument("--kernels", default="auto", help="the C++ kernel build every row runs (auto, native, avx2, torch): "
+                   "avx2 on an AVX-512 machine measures what CPUs without AVX-512 get")
+    p.add_argument("--dtype", default="auto", help="compute dtype of the quantized rows (auto: bf16 where the CPU has "
+                   "it natively; float32 is what CPUs without AVX512-BF16 run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
 
@@ -115,7 +119,9 @@ def _load(row: RowSpec, args: argparse.Namespace, **extra: Any) -> Any:
     """The row's LLM: its dtype, quantization and INT4 activations."""
     from pagoda import LLM
 
-    kw: dict[str, Any] = {"dtype": row.dtype, "max_num_seqs": args.concurrency, "kv_cache_memory": "2GiB",
+    dtype = args.dtype if row.dtype == "auto" else row.dtype
+    kw: dict[str, Any] = {"dtype": dtype, "kernels": args.kernels, "max_num_seqs": args.concurrency,
+                          "kv_cache_memory": "2GiB",
                           "seed": args.seed, "int4_activations": "int8" if row.int8_activations else "float",
                           **extra}
     if row.quantization:
@@ -139,6 +145,7 @@ def measure_row(row: RowSpec, reqs: list[BenchRequest], text_ids: list[int],
     llm = _load(row, args)
     load_s = time.perf_counter() - t0
     out.update(row=row.name, dtype=str(llm.engine.dtype).removeprefix("torch."),
+               cpu_kernels=llm.engine.runner.policy.kernel_set,
                weight_bytes=weight_bytes(llm.engine.runner.model), load_s=load_s)
     ppl = perplexity(llm, text_ids, args.max_length, args.stride)
     out.update(perplexity=ppl.perplexity, ppl_tok_s=ppl.tokens_per_s)
@@ -217,7 +224,8 @@ def main(args: argparse.Namespace) -> int:
         rows.append(measure_llama_cpp(model, reqs, text_ids, batch1_prompt, args))
     base = next((r for r in rows if r["row"] == "float32"), None)
     print(f"text: {args.text} ({len(text_ids)} tokens, window {args.max_length}, stride {args.stride}); "
-          f"throughput: {args.concurrency} requests x {args.output_len} output tokens, greedy, ignore_eos")
+          f"throughput: {args.concurrency} requests x {args.output_len} output tokens, greedy, ignore_eos; "
+          f"CPU kernels: {rows[0].get('cpu_kernels', '?')}")
     print_table(rows, base)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:

@@ -155,6 +155,40 @@ def run_batch1_decode(llm: LLM, prompt: list[int], output_len: int) -> Batch1Res
     return Batch1Result(len(prompt), n, t_first - t0, t_end - t_first)
 
 
+def kernel_tuning_report(llm: LLM) -> dict[str, Any]:
+    """The kernel tuning that chose the model's linear kernels (kernels/tuning.py): one row per layer shape, with
+    the candidates' times at each row count, the choice, and how many layers share the shape."""
+    engine = llm.engine
+    tuner = engine.runner.policy.tuner
+    shapes: dict[str, dict[str, Any]] = {}
+    for m in engine.runner.model.modules():
+        entry = getattr(getattr(m, "matmul", None), "tuning", None)
+        if entry is None:
+            continue
+        row = shapes.get(entry.key)
+        if row is None:
+            times_us = {n: [round(1e6 * t, 1) for t in ts] for n, ts in entry.times.items()}
+            row = shapes[entry.key] = {"shape": entry.key, "layers": 0, "rows": entry.rows, "times_us": times_us,
+                                       "scores": entry.scores, "chosen": entry.chosen}
+        row["layers"] += 1
+    cache = None if tuner is None or tuner.path is None else str(tuner.path)
+    return {"mode": engine.config.kernel_tuning, "cache": cache, "shapes": list(shapes.values())}
+
+
+def _print_tuning(tuning: dict[str, Any]) -> None:
+    shapes = tuning["shapes"]
+    if tuning["mode"] != "auto" or not shapes:
+        print(f"kernel tuning: {tuning['mode']}" + ("" if tuning["mode"] != "auto" else
+                                                     ", no layer has a choice of kernels"))
+        return
+    rows = "/".join(str(r) for r in shapes[0]["rows"])
+    print(f"kernel tuning (us at {rows} rows, chosen marked *; cache {tuning['cache']}):")
+    for row in shapes:
+        cands = ", ".join(f"{name}{'*' if name == row['chosen'] else ''} {'/'.join(f'{t:.0f}' for t in ts)}"
+                          for name, ts in row["times_us"].items())
+        print(f"  {row['shape'].rsplit(' ', 1)[0]} x{row['layers']}: {cands}")
+
+
 def _progress(msg: str) -> None:
     """Phase notes on stderr, so a long run shows where it is without mixing into the report."""
     print(msg, file=sys.stderr, flush=True)
@@ -179,6 +213,8 @@ def _print_report(report: dict[str, Any]) -> None:
               f"length {spec['mean_acceptance_length']:.2f} tokens per verification")
     print(f"prefix cache: hit rate {100 * ours['prefix_hit_rate']:.1f}% of prompt tokens "
           f"(the workload's best possible: {100 * report['max_prefix_hit_rate']:.1f}%)")
+    if "kernel_tuning" in report:
+        _print_tuning(report["kernel_tuning"])
     roof = report.get("roofline")
     if roof:
         print(f"roofline: matmul {roof['matmul_flops'] / 1e9:.0f} GFLOP/s, "
@@ -242,6 +278,7 @@ def main(args: argparse.Namespace) -> int:
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "cpu_kernels": engine.runner.policy.kernel_set,
+        "kernel_tuning": kernel_tuning_report(llm),
         # Other processes on the machine skew every figure; the 1-minute load average flags it.
         "loadavg_1m_at_start": load_at_start,
         "workload": {"dataset": getattr(args, "dataset", "chat"), "num_prompts": len(requests),

@@ -14,7 +14,7 @@ from types import FrameType
 from typing import Any
 
 import pagoda
-from pagoda.kernels.policy import INT4_ACTIVATIONS, KERNELS
+from pagoda.kernels.policy import INT4_ACTIVATIONS, KERNEL_TUNING, KERNELS
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -71,6 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int4-activations", default=None, choices=list(INT4_ACTIVATIONS),
                    help="int8: INT4 weights compute with INT8 activations (VNNI; faster, slightly higher "
                         "perplexity; see docs/benchmarks.md) (default float)")
+    p.add_argument("--kernel-tuning", default=None, choices=list(KERNEL_TUNING),
+                   help="auto: where several C++ kernels can serve a linear layer's shape, time them once on this "
+                        "machine and keep the fastest (cached beside the kernel build); off: the built-in choice "
+                        "(default auto)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model over this many ranks: processes spawned on this host, each bound to its "
                         "share of the cores; across hosts, start every rank with torchrun (default 1)")
@@ -90,7 +94,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
             "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
-            "int4_activations", "tensor_parallel_size"]
+            "int4_activations", "kernel_tuning", "tensor_parallel_size"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -4,11 +4,16 @@ A record holds everything the choice decided: the weight in the chosen kernel's 
 (linear_formats.py, the table C++ shares), whether the C++ kernels run it, and how many rows the C++
 decoder stack may run with it. `Linear.forward` calls the record and `Linear.stack_args` reads it, so no
 caller branches on formats again.
+
+Where two kernels can serve a layer at every row count (dense: panels or oneDNN; quantized: panels16 or the
+row-major kernel) and the policy carries a tuner (config kernel_tuning="auto"), the tuner picks between them per
+shape (kernels/tuning.py); without one, the built-in order stands (the first candidate).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +23,7 @@ from pagoda.kernels.linear import ANY_M, SMALL_M, linear, panel_pack, prepack, s
 from pagoda.kernels.linear_formats import DENSE, PANELS
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, kernel_layout, quant_linear
+from pagoda.kernels.tuning import KernelTuner, TuningEntry, TuningShape
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class LinearKernel:
     panels: torch.Tensor | None = None  # dense: the weight in packed_linear's panels, used at every row count
     onednn: torch.Tensor | None = None  # dense without panels: oneDNN's layout, used at every row count
     stack_rows: int = 0               # the C++ decoder stack runs steps up to this many rows with it (0: never)
+    tuning: TuningEntry | None = field(default=None, compare=False)  # the measurement that chose it, if one did
     # x -> x @ W^T + b through the chosen kernel: bound once, so a call does no dispatch of its own
     run: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False, compare=False)
 
@@ -61,14 +68,45 @@ def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | No
     if qweight is not None:
         pw = kernel_layout(qweight, act_dtype, policy.int4_activations) if policy.cpp else qweight
         cpp = policy.cpp and cpp_supported(pw)
+        if policy.tuner is not None and cpp and pw.layout == "panels16" \
+                and torch.ops.pagoda.quant_linear_supported(pw.in_features, pw.group_size):  # the row-major kernel's
+            fmt = pw.format + ("+off" if pw.offsets is not None else "")
+            shape = TuningShape(fmt, pw.out_features, pw.in_features, pw.group_size, act_dtype)
+            row_major = qweight if qweight.layout == "rows" else None
+            return _tuned(policy.tuner, shape, {
+                "panels16": functools.partial(_quantized, pw, bias),
+                "rows": lambda: _quantized(row_major if row_major is not None else pw.row_major(), bias)})
         return LinearKernel(pw.code, None, pw, bias, cpp, stack_rows=ANY_M if cpp else 0)
     assert weight is not None
     if not policy.cpp:
         return LinearKernel(DENSE, weight, None, bias, onednn=prepack(weight))  # oneDNN's layout: torch's own
     panels = panel_pack(weight)
     if panels is not None:
+        if policy.tuner is not None and torch.backends.mkldnn.is_available():
+            shape = TuningShape(str(weight.dtype).removeprefix("torch."), *weight.shape, 0, act_dtype)
+            return _tuned(policy.tuner, shape, {
+                "panels": lambda: LinearKernel(PANELS, weight, None, bias, panels=panels, stack_rows=ANY_M),
+                "onednn": functools.partial(_without_panels, weight, bias)})
         return LinearKernel(PANELS, weight, None, bias, panels=panels, stack_rows=ANY_M)
+    return _without_panels(weight, bias)
+
+
+def _without_panels(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel:
+    """A dense weight where the panel kernel does not serve it (or the tuner chose against it): oneDNN on a prepacked
+    copy at every row count, or the few-row streaming kernel where oneDNN is missing."""
     onednn = prepack(weight)
     small_m = onednn is None and weight.device.type == "cpu" and weight.is_contiguous() \
         and small_m_supported(weight.dtype, weight.shape[1])
     return LinearKernel(DENSE, weight, None, bias, small_m, onednn=onednn, stack_rows=SMALL_M if small_m else 0)
+
+
+def _quantized(pw: PackedWeight, bias: torch.Tensor | None) -> LinearKernel:
+    """A quantized weight's C++ kernel in `pw`'s layout, at every row count."""
+    return LinearKernel(pw.code, None, pw, bias, True, stack_rows=ANY_M)
+
+
+def _tuned(tuner: KernelTuner, shape: TuningShape, candidates: Mapping[str, Callable[[], LinearKernel]]) \
+        -> LinearKernel:
+    """The candidate `tuner` chooses for `shape`, holding the entry that chose it (what `pagoda bench` prints)."""
+    kernel, entry = tuner.choose(shape, candidates)
+    return dataclasses.replace(kernel, tuning=entry)

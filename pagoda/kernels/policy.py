@@ -2,12 +2,19 @@
 `model.prepare(policy)`, never read again from anywhere else."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagoda.kernels.tuning import KernelTuner
 
 # auto: the C++ kernels' best build for this CPU (or the one this process already loaded), else torch;
 # native / avx2: that build of the kernels (cpu_extension.BUILDS), an error where it cannot run; torch: torch only.
 KERNELS = ("auto", "native", "avx2", "torch")
 INT4_ACTIVATIONS = ("float", "int8")
+# auto: where several kernels can serve a layer's shape, the one timed fastest on this machine (kernels/tuning.py,
+# cached beside the build); off: the built-in choice (panels first).
+KERNEL_TUNING = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -16,21 +23,30 @@ class KernelPolicy:
     # "int8": INT4 layers quantize their activations to INT8 per row and use VNNI dot products (layout
     # interleave8, kernels/quant_linear.py); "float": INT4 stays weight-only.
     int4_activations: str = "float"
+    # Chooses among the kernels that can serve a layer's shape (kernel_tuning="auto"); None: the built-in choice.
+    tuner: KernelTuner | None = field(default=None, compare=False)
 
     @classmethod
-    def resolve(cls, kernels: str = "auto", int4_activations: str = "float") -> KernelPolicy:
-        """`kernels` (KERNELS): loads the C++ build it names, once per process (kernels/cpu_extension.py)."""
+    def resolve(cls, kernels: str = "auto", int4_activations: str = "float",
+                kernel_tuning: str = "off") -> KernelPolicy:
+        """`kernels` (KERNELS): loads the C++ build it names, once per process (kernels/cpu_extension.py).
+        `kernel_tuning` (KERNEL_TUNING): the engine passes config's (default auto); "off" here keeps a bare call
+        on the built-in choice, without timing anything or touching the cache file."""
         from pagoda.kernels.cpu_extension import load  # imports torch: the CLI reads the names first
 
-        check_kernels(kernels, int4_activations)
+        check_kernels(kernels, int4_activations, kernel_tuning)
         if kernels == "torch":
             return cls(cpp=False, int4_activations=int4_activations)
-        if kernels == "auto":
-            return cls(cpp=load(), int4_activations=int4_activations)
-        if not load(kernels):  # asked for by name: a silent torch fallback would hide that it never ran
+        cpp = load() if kernels == "auto" else load(kernels)
+        if not cpp and kernels != "auto":  # asked for by name: a silent torch fallback would hide that it never ran
             raise RuntimeError(f"kernels={kernels!r}: the C++ kernels' {kernels} build did not load (see the warning "
                                "above)")
-        return cls(cpp=True, int4_activations=int4_activations)
+        tuner = None
+        if cpp and kernel_tuning == "auto":
+            from pagoda.kernels.tuning import cache_path, shared_tuner
+
+            tuner = shared_tuner(cache_path())
+        return cls(cpp=cpp, int4_activations=int4_activations, tuner=tuner)
 
     @property
     def kernel_set(self) -> str:
@@ -45,7 +61,9 @@ class KernelPolicy:
 TORCH_ONLY = KernelPolicy(cpp=False)
 
 
-def check_kernels(kernels: str, int4_activations: str) -> None:
+def check_kernels(kernels: str, int4_activations: str, kernel_tuning: str = "off") -> None:
+    if kernel_tuning not in KERNEL_TUNING:
+        raise ValueError(f"kernel_tuning must be one of {', '.join(KERNEL_TUNING)}, got {kernel_tuning!r}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if int4_activations not in INT4_ACTIVATIONS:

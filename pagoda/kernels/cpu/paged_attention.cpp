@@ -30,30 +30,23 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 #include "vec_bf16.h"
 
 namespace {
 
-// Portable SIMD through GCC/Clang vector extensions: the compiler lowers them to
-// the widest registers -march allows. W floats per vector.
-#if defined(__AVX512F__)
-constexpr int W = 16;
-#else
-constexpr int W = 8;
-#endif
-typedef float vf __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+// Portable SIMD (simd.h): W floats per vector.
+using pagoda_simd::hmax;
+using pagoda_simd::hsum;
+using pagoda_simd::vf;
+using pagoda_simd::vi;
+using pagoda_simd::vload;
+using pagoda_simd::vstore;
+using pagoda_simd::W;
 
 constexpr int KC = 2 * W;   // keys per chunk (two vectors of scores per row)
 constexpr int RB = 8;       // rows per micro-kernel call (register blocking)
 constexpr int TARGET_ROWS = 32;  // rows (queries x group heads) per work item
-
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
-  return v;
-}
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 // exp(x) for x <= 0 (arguments are already max-subtracted). Cody-Waite range
 // reduction + degree-6 polynomial, ~1e-7 relative error. Inputs below -87 (incl.
@@ -78,23 +71,6 @@ inline vf vexp(vf x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   vf res = p * scale;
   return dead ? vf{} : res;
-}
-
-// Horizontal reductions as trees: a sequential loop would be a 15-deep dependency chain
-// per row per chunk, as costly as the chunk's matmuls.
-inline float hmax(vf v) {
-  float a[W];
-  std::memcpy(a, &v, sizeof(a));
-  for (int w = W / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] = std::max(a[i], a[i + w]);
-  return a[0];
-}
-inline float hsum(vf v) {
-  float a[W];
-  std::memcpy(a, &v, sizeof(a));
-  for (int w = W / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] += a[i + w];
-  return a[0];
 }
 
 inline float to_f32(float x) { return x; }

@@ -1,21 +1,24 @@
-// y = x @ dequant(w)^T (+ bias) for quantized weights, streaming the packed weight once per 8 rows of x.
+// y = x @ dequant(w)^T (+ bias) for quantized weights, streaming the packed weight once per few rows of x.
 //
 // Decode is bound by weight bytes read per token, so the weight stays packed in memory and is
-// unpacked in registers: 32 weights at a time become two fp32 vectors that are FMA'd against
-// every activation row (fp32 accumulation, no activation quantization, so results match the
-// float reference to rounding). Formats, all with per-(row, group) fp32 scale s and offset o so
-// that w = code * s + o (o = 0 for the symmetric ones; o = -s * zero for INT4):
+// unpacked in registers. Formats, all with per-(row, group) fp32 scale s and offset o so that
+// w = code * s + o (o = 0 for the symmetric ones; o = -s * zero for INT4):
 //   int4: codes 0..15 packed two per byte [N, K/2], low nibble = even k (pagoda int4_format)
 //   int8: int8 codes [N, K] (per-channel: group = K; GGUF Q8_0: group = 32)
 //   fp8:  float8 e4m3fn bytes [N, K], per-channel scale
 //   int4x8: int4 codes in blocks of 8 rows [N/8, 4K], scales/offsets [N/8, G, 8] (blocks_int4x8_i8); the
 //           one format that quantizes activations (to int8 per 32 columns), chosen by the user
-// Sum over a group: s * dot(code, x) + o * sum(x), so offsets cost one scalar FMA per group.
-// Larger M runs in chunks of 8 rows over a block of weight rows that stays in L1/L2. Every row count runs these
-// kernels (kernels/quant_linear.py), and each output's sum has one order whatever the row count: the row's own
-// chains over k, the group scales, the reduction and the offsets (batch invariance). With bf16 or fp32
-// activations the panel kernel (quant_panel_linear.cpp) takes every shape it can; these take the rest, and INT4
-// with INT8 activations (int4x8).
+//
+// The row-major kernel (`rows`) is portable vector code (simd.h): the same source is the AVX-512, AVX2 and NEON
+// build. Per 2W columns of a weight row it decodes the codes into two fp32 vectors, makes them weights with one
+// FMA each (code * s + o), and FMAs them into two chains per (weight row, activation row); a row's chains are
+// summed in one tree at the end. That order depends on K and the format only, never on the row count (batch
+// invariance): the row count only decides how many activation rows share a decode, how many weight rows run
+// together (independent chains for M = 1), and whether a block of weight rows is dequantized once into a tile
+// that stays in cache (more rows than one pass takes: the same weights, loaded instead of decoded again).
+// ISA-specific kernels where they measurably pay: INT4 with bf16 activations on AVX512-BF16 (rows_int4_bf16),
+// INT4 with INT8 activations on AVX512-VNNI (blocks_int4x8_i8). With bf16 or fp32 activations on AVX512-BF16 the
+// panel kernel (quant_panel_linear.cpp) takes every shape it can; these take the rest.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +30,7 @@
 #include "dispatch_rows.h"
 #include "linear_formats.h"
 #include "ops.h"
+#include "simd.h"
 #include "vec_bf16.h"
 
 #include <algorithm>
@@ -50,67 +54,235 @@ using pagoda_cpu::kInt4;
 using pagoda_cpu::kInt4x8;
 using pagoda_cpu::kInt8;
 
-#if defined(PAGODA_QUANT_AVX512)
-// Decode 32 weights starting at weight column k (k % 32 == 0) of one row into a (first 16), b (last 16).
-// INT4 yields even columns in a, odd in b: x is pre-split to match (see prepare_x).
+using pagoda_simd::hsum;
+using pagoda_simd::vb;
+using pagoda_simd::vf;
+using pagoda_simd::vfma;
+using pagoda_simd::vi;
+using pagoda_simd::vload;
+using pagoda_simd::vload_bytes;
+using pagoda_simd::vsb;
+using pagoda_simd::vsplat;
+using pagoda_simd::vstore;
+using pagoda_simd::vu;
+using pagoda_simd::W;
+
+// Activation rows that share one decode of the weights: two chains per row plus the two weight vectors and an
+// activation load must fit the register file (16 vectors on AVX2 and NEON, 32 on AVX-512).
+constexpr int64_t kRowsPerPass = W == 16 ? 8 : 4;
+constexpr int64_t kTileRows = 16;  // weight rows per dequantized tile (16 x K fp32: in L2 for K up to ~8k)
+
+// The codes of 2W weights from weight column k (k % 2W == 0) of one row, as fp32 values: a, b. INT4 gives the
+// even columns in a and the odd ones in b (low and high nibbles): x is prepared to match (split_even_odd).
 template <int F>
-inline void decode32(const uint8_t* row, int64_t k, __m512& a, __m512& b) {
+inline void decode(const uint8_t* row, int64_t k, vf& a, vf& b) {
   if constexpr (F == kInt4) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
-    a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+    const vi v = __builtin_convertvector(vload_bytes<vb>(row + k / 2), vi);
+    a = __builtin_convertvector(v & 0xF, vf);
+    b = __builtin_convertvector(v >> 4, vf);
   } else if constexpr (F == kInt8) {
-    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
-    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))));
+    a = __builtin_convertvector(__builtin_convertvector(vload_bytes<vsb>(row + k), vi), vf);
+    b = __builtin_convertvector(__builtin_convertvector(vload_bytes<vsb>(row + k + W), vi), vf);
   } else {
     // e4m3fn -> fp32: magnitude bits shifted into an fp32 exponent/mantissa give value * 2^-120
     // (subnormals included, as fp32 denormals); one multiply restores the scale.
-    const __m512 two120 = _mm512_set1_ps(1.329228e36f);  // 2^120
-    auto one = [&](const uint8_t* p) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x7F)), 20);
-      const __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-      return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(mag), two120)), sgn));
+    auto one = [](const uint8_t* p) {
+      const vu v = __builtin_convertvector(vload_bytes<vb>(p), vu);
+      const vf mag = (vf)((v & 0x7F) << 20) * 1.329228e36f;  // 2^120
+      return (vf)((vu)mag | ((v & 0x80) << 24));
     };
     a = one(row + k);
-    b = one(row + k + 16);
+    b = one(row + k + W);
   }
 }
 
-// Output rows [n0, n1) for M activation rows. xd: prepared x [M, K]; xs: group sums [M, G].
-template <int F, int M, typename O>
-void rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, const float* bias,
-          const float* xd, const float* xs, O* y, int64_t ldy, int64_t K, int64_t G, int64_t gs,
-          int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    const float* sr = scales + n * G;
-    __m512 acc[M];
-    float off[M];
-    for (int m = 0; m < M; ++m) { acc[m] = _mm512_setzero_ps(); off[m] = 0.f; }
+// Where `rows` gets the codes of a weight row's 2W weights at column k, as fp32 values. Codes: decoded from the
+// packed bytes. Tile: the same values, decoded into a buffer once (fill_tile) for every pass over the rows.
+template <int F>
+struct CodeRows {
+  const uint8_t* w;
+  int64_t row_bytes;
+  int64_t prefetch_rows;  // how far ahead rows are prefetched: the hardware prefetcher alone leaves the loop waiting
+
+  inline void load(int64_t n, int64_t k, vf& a, vf& b) const {
+    const uint8_t* row = w + n * row_bytes;
+    if (prefetch_rows) __builtin_prefetch(row + prefetch_rows * row_bytes + (F == kInt4 ? k / 2 : k), 0, 3);
+    decode<F>(row, k, a, b);
+  }
+};
+
+struct TileRows {
+  const float* tile;  // rows [n0, n0 + kTileRows) x K, each 2W columns as `decode` orders them
+  int64_t n0, K;
+
+  inline void load(int64_t n, int64_t k, vf& a, vf& b) const {
+    const float* p = tile + (n - n0) * K + k;
+    a = vload(p);
+    b = vload(p + W);
+  }
+};
+
+template <int F>
+void fill_tile(const CodeRows<F>& src, float* tile, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t k = 0; k < K; k += 2 * W) {
+      vf a, b;
+      src.load(n, k, a, b);
+      vstore(tile + (n - n0) * K + k, a);
+      vstore(tile + (n - n0) * K + k + W, b);
+    }
+}
+
+// The weights' scales and offsets [N, G] (offsets may be null) and the activations: x prepared (split_even_odd)
+// [M, K] and its sums per group [M, G] (for the offsets).
+struct Operands {
+  const float* scales;
+  const float* offsets;
+  const float* bias;
+  const float* xd;
+  const float* xs;
+  int64_t K, G, gs;
+};
+
+// Output rows [n0, n1) for M activation rows, R weight rows at a time. Per (weight row, activation row): one
+// chain over a group's codes times x, scaled into the running sum at the group's end; the offsets' o * sum(x)
+// in a scalar sum beside it. Sum over a group: s * dot(code, x) + o * sum(x).
+template <int M, int R, typename Src, typename O>
+void rows(const Src& src, const Operands& op, O* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t K = op.K, G = op.G, gs = op.gs;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    vf acc[R][M];
+    float off[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) { acc[r][m] = vf{}; off[r][m] = 0.f; }
     for (int64_t g = 0; g < G; ++g) {
-      __m512 gacc[M];
-      for (int m = 0; m < M; ++m) gacc[m] = _mm512_setzero_ps();
-      for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
-        __m512 a, b;
-        decode32<F>(wr, k, a, b);
-        for (int m = 0; m < M; ++m) {
-          gacc[m] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xd + m * K + k), gacc[m]);
-          gacc[m] = _mm512_fmadd_ps(b, _mm512_loadu_ps(xd + m * K + k + 16), gacc[m]);
+      vf gacc[R][M];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) gacc[r][m] = vf{};
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 2 * W)
+        for (int r = 0; r < R; ++r) {
+          vf a, b;
+          src.load(n + r, k, a, b);
+          for (int m = 0; m < M; ++m)
+            gacc[r][m] = vfma(b, vload(op.xd + m * K + k + W), vfma(a, vload(op.xd + m * K + k), gacc[r][m]));
+        }
+      for (int r = 0; r < R; ++r) {
+        const vf sv = vsplat(op.scales[(n + r) * G + g]);
+        for (int m = 0; m < M; ++m) acc[r][m] = vfma(gacc[r][m], sv, acc[r][m]);
+        if (op.offsets) {
+          const float o = op.offsets[(n + r) * G + g];
+          for (int m = 0; m < M; ++m) off[r][m] += o * op.xs[m * G + g];
         }
       }
-      const __m512 s = _mm512_set1_ps(sr[g]);
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(gacc[m], s, acc[m]);
-      if (offsets) {
-        const float o = offsets[n * G + g];
-        for (int m = 0; m < M; ++m) off[m] += o * xs[m * G + g];
-      }
     }
-    const float bv = bias ? bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<O>(_mm512_reduce_add_ps(acc[m]) + off[m] + bv);
+    for (int r = 0; r < R; ++r) {
+      const float bv = op.bias ? op.bias[n + r] : 0.f;
+      for (int m = 0; m < M; ++m) y[m * ldy + n + r] = static_cast<O>(hsum(acc[r][m]) + off[r][m] + bv);
+    }
+  }
+  if constexpr (R > 1) {
+    if (n < n1) rows<M, 1>(src, op, y, ldy, n, n1);
   }
 }
 
+// x [M, K] as fp32 with each 2W columns split [even | odd] for INT4 (the nibbles' order), as is otherwise; and
+// its exact sums per group of gs columns, for the offsets (none without offsets).
+void prepare_x(const at::Tensor& x, int64_t fmt, int64_t gs, bool sums, std::vector<float>& xd,
+               std::vector<float>& xs) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  const float* src = xf.data_ptr<float>();
+  xd.resize(M * K);
+  xs.assign(sums ? M * (K / gs) : 0, 0.f);
+  if (fmt != kInt4) {
+    std::memcpy(xd.data(), src, M * K * sizeof(float));
+  } else {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 2 * W)
+        for (int j = 0; j < W; ++j) {
+          xd[m * K + k + j] = src[m * K + k + 2 * j];
+          xd[m * K + k + W + j] = src[m * K + k + 2 * j + 1];
+        }
+  }
+  if (sums)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xs[m * (K / gs) + k / gs] += src[m * K + k];
+}
+
+// The row-major kernel over all of y: blocks of weight rows in parallel. Up to one pass of rows, each decodes the
+// weights it streams (R weight rows at a time where M is small, for independent chains); more rows decode each
+// block of weight rows into a tile once and run every pass of rows over it.
+template <int F, typename O>
+void run(const CodeRows<F>& src, const Operands& op, O* y, int64_t M, int64_t N) {
+  if (M <= kRowsPerPass) {
+    at::parallel_for(0, N, 64, [&](int64_t b0, int64_t b1) {
+      dispatch_m(M, [&](auto c) {
+        constexpr int Mc = decltype(c)::value, R = Mc == 1 ? 4 : Mc == 2 ? 2 : 1;
+        rows<Mc, R>(src, op, y, N, b0, b1);
+      });
+    });
+    return;
+  }
+  at::parallel_for(0, (N + kTileRows - 1) / kTileRows, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> tile(kTileRows * op.K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
+      fill_tile(src, tile.data(), op.K, n0, n1);
+      const TileRows tiled{tile.data(), n0, op.K};
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+        Operands part = op;
+        part.xd += m0 * op.K;
+        part.xs += op.offsets ? m0 * op.G : 0;
+        dispatch_m(std::min(kRowsPerPass, M - m0), [&](auto c) {
+          rows<decltype(c)::value, 1>(tiled, part, y + m0 * N, N, n0, n1);
+        });
+      }
+    }
+  });
+}
+
+// Dequantize rows [n0, n1) to O (float or c10::BFloat16) in k order: w = code * s + o, one rounding.
+// IL: INT4 in the 8-row interleaved layout (see blocks_int4x8_i8), each row gathered back first.
+template <int F, typename O, bool IL = false>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, O* out,
+                  int64_t K, int64_t G, int64_t gs, int64_t n0, int64_t n1) {
+  std::vector<uint8_t> gathered(IL ? row_bytes : 0);
+  float a_[W], b_[W];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    int64_t s0 = n * G, sstep = 1;  // scale of (n, g) at s0 + g * sstep
+    if constexpr (IL) {  // one row from its block of 8
+      const int64_t b = n / 8, j = n % 8;
+      for (int64_t c = 0; c < row_bytes / 32; ++c)
+        for (int t = 0; t < 8; ++t)
+          std::memcpy(gathered.data() + 32 * c + 4 * t, w + b * 8 * row_bytes + 256 * c + 32 * t + 4 * j, 4);
+      wr = gathered.data();
+      s0 = b * G * 8 + j;
+      sstep = 8;
+    }
+    O* orow = out + n * K;
+    for (int64_t k = 0; k < K; k += 2 * W) {
+      const int64_t g = s0 + (k / gs) * sstep;
+      const vf sv = vsplat(scales[g]), ov = vsplat(offsets ? offsets[g] : 0.f);
+      vf a, b;
+      decode<F>(wr, k, a, b);
+      vstore(a_, vfma(a, sv, ov));
+      vstore(b_, vfma(b, sv, ov));
+      for (int j = 0; j < W; ++j) {
+        if constexpr (F == kInt4) {  // a: even columns, b: odd ones
+          orow[k + 2 * j] = static_cast<O>(a_[j]);
+          orow[k + 2 * j + 1] = static_cast<O>(b_[j]);
+        } else {
+          orow[k + j] = static_cast<O>(a_[j]);
+          orow[k + W + j] = static_cast<O>(b_[j]);
+        }
+      }
+    }
+  }
+}
+
+#if defined(PAGODA_QUANT_AVX512)
 #if defined(__AVX512BF16__)
 // INT4 with bf16 activations: a code q becomes the bf16 number 128 + q with one OR (0x4300 | q: the
 // exponent of 128 leaves exactly 7 mantissa bits for q), and is dotted with AVX512-BF16 (32 products
@@ -297,57 +469,8 @@ void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
   });
 }
 
-template <int F, typename O>
-void run(const float* xd, const float* xs, const uint8_t* w, int64_t row_bytes, const float* sp, const float* op,
-         const float* bp, O* yp, int64_t M, int64_t N, int64_t K, int64_t G, int64_t gs) {
-  run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
-    dispatch_m(mc, [&](auto c) {
-      rows<F, decltype(c)::value, O>(w, row_bytes, sp, op, bp, xd + m0 * K, xs + m0 * G, yp + m0 * N, N, K, G, gs, n0, n1);
-    });
-  });
-}
 #endif
 
-#if defined(PAGODA_QUANT_AVX512)
-// Dequantize rows [n0, n1) to float (O = float or c10::BFloat16): w = code * s + o, in k order.
-// IL: INT4 in the 8-row interleaved layout (see blocks_int4x8_i8), each row gathered back first.
-template <int F, typename O, bool IL = false>
-void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, O* out,
-                  int64_t K, int64_t G, int64_t gs, int64_t n0, int64_t n1) {
-  // decode32 gives INT4's even columns in a and odd ones in b: interleave them back.
-  const __m512i even = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i odd = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  std::vector<uint8_t> gathered(IL ? row_bytes : 0);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    int64_t s0 = n * G, sstep = 1;  // scale of (n, g) at s0 + g * sstep
-    if constexpr (IL) {
-      const int64_t b = n / 8, j = n % 8;
-      for (int64_t c = 0; c < row_bytes / 32; ++c)
-        for (int t = 0; t < 8; ++t)
-          std::memcpy(gathered.data() + 32 * c + 4 * t, w + b * 8 * row_bytes + 256 * c + 32 * t + 4 * j, 4);
-      wr = gathered.data();
-      s0 = b * G * 8 + j;
-      sstep = 8;
-    }
-    O* orow = out + n * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      const int64_t g = s0 + (k / gs) * sstep;
-      const __m512 s = _mm512_set1_ps(scales[g]);
-      const __m512 o = _mm512_set1_ps(offsets ? offsets[g] : 0.f);
-      __m512 a, b;
-      decode32<F>(wr, k, a, b);
-      if constexpr (F == kInt4) {
-        const __m512 lo = _mm512_permutex2var_ps(a, even, b);
-        b = _mm512_permutex2var_ps(a, odd, b);
-        a = lo;
-      }
-      store16(orow + k, _mm512_fmadd_ps(a, s, o));
-      store16(orow + k + 16, _mm512_fmadd_ps(b, s, o));
-    }
-  }
-}
-#endif
 
 bool int4x8_supported(int64_t K, int64_t group_size) {
 #if defined(PAGODA_INT4_I8)
@@ -360,13 +483,7 @@ bool int4x8_supported(int64_t K, int64_t group_size) {
 }
 
 bool quant_linear_supported(int64_t K, int64_t group_size) {
-#if defined(PAGODA_QUANT_AVX512)
-  return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;
-#else
-  (void)K;
-  (void)group_size;
-  return false;
-#endif
+  return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;  // 2W columns a step (W <= 16)
 }
 
 // x: [M, K] fp32 or bf16; y: [M, N] in x's dtype (fp32 accumulation). fmt: 0 int4, 1 int8, 2 fp8 (see header). scales/offsets: fp32 [N, K / group_size].
@@ -474,36 +591,28 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     return y;
   }
 #endif
-  // Prepared activations: fp32, and for INT4 each 32-column chunk split into even then odd columns
-  // to line up with the low/high nibbles. xs: per-group sums for the offset term.
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<float> xd(M * K), xs(M * G, 0.f);
-  const float* src = xf.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = src + m * K;
-    float* d = xd.data() + m * K;
-    if (fmt == kInt4) {
-      for (int64_t k = 0; k < K; k += 32)
-        for (int j = 0; j < 16; ++j) { d[k + j] = r[k + 2 * j]; d[k + 16 + j] = r[k + 2 * j + 1]; }
-    } else {
-      std::memcpy(d, r, K * sizeof(float));
-    }
-    if (offsets.has_value())
-      for (int64_t k = 0; k < K; ++k) xs[m * G + k / group_size] += r[k];
-  }
-  const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  auto run_fmt = [&](auto* yp) {
-    if (fmt == kInt4) run<kInt4>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
-    else if (fmt == kInt8) run<kInt8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
-    else run<kFp8>(xd.data(), xs.data(), wp, row_bytes, sp, op, bp, yp, M, N, K, G, group_size);
-  };
-  if (x.scalar_type() == at::kFloat) run_fmt(y.data_ptr<float>());
-  else if (x.scalar_type() == at::kBFloat16) run_fmt(y.data_ptr<c10::BFloat16>());
-  else TORCH_CHECK(false, "quant_linear: x must be float32 or bfloat16");
 #endif
+  // The portable kernel: fp32 activations (bf16 ones widened), output in x's dtype.
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(fmt != kInt4x8, "quant_linear: int4x8 weights need the VNNI kernel");
+  std::vector<float> xd, xs;
+  prepare_x(x, fmt, group_size, offsets.has_value(), xd, xs);
+  const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const Operands op{scales.data_ptr<float>(), offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, xd.data(), xs.data(), K, G, group_size};
+  const int64_t ahead = std::max<int64_t>(4, 4096 / row_bytes);  // rows ~4 KiB ahead
+  auto go = [&](auto f, auto* yp) {
+    constexpr int F = decltype(f)::value;
+    run<F>(CodeRows<F>{wp, row_bytes, ahead}, op, yp, M, N);
+  };
+  auto go_fmt = [&](auto* yp) {
+    if (fmt == kInt4) go(std::integral_constant<int, kInt4>{}, yp);
+    else if (fmt == kInt8) go(std::integral_constant<int, kInt8>{}, yp);
+    else go(std::integral_constant<int, kFp8>{}, yp);
+  };
+  if (x.scalar_type() == at::kFloat) go_fmt(y.data_ptr<float>());
+  else go_fmt(y.data_ptr<c10::BFloat16>());
   return y;
 }
 
@@ -524,7 +633,6 @@ at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const
     TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->numel() == N * G,
                 "quant_dequantize: offsets fp32 [N, G]");
   auto out = at::empty({N, K}, w.options().dtype(dtype));
-#if defined(PAGODA_QUANT_AVX512)
   const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
@@ -539,7 +647,6 @@ at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const
   };
   if (dtype == at::kFloat) go(out.data_ptr<float>());
   else go(out.data_ptr<c10::BFloat16>());
-#endif
   return out;
 }
 
@@ -557,7 +664,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? offsets, Tensor? bias, int fmt, int group_size) "
         "-> Tensor");
   m.def("int4x8_supported(int K, int group_size) -> bool", &int4x8_supported);  // no tensors: no dispatch key
-  m.def("quant_linear_supported(int K, int group_size) -> bool", &quant_linear_supported);  // false without AVX-512
+  m.def("quant_linear_supported(int K, int group_size) -> bool", &quant_linear_supported);  // no tensors
   m.def("quant_dequantize(Tensor w, Tensor scales, Tensor? offsets, int fmt, int group_size, int K, ScalarType dtype) "
         "-> Tensor");
 }
