@@ -71,7 +71,8 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
     assert policy.cpp and policy.kernel_set == "avx2" == KernelPolicy.resolve("avx2").kernel_set
     with pytest.raises(RuntimeError, match="already loaded the C\\+\\+ kernels' 'avx2' build"):
         KernelPolicy.resolve("native")
-    # The AVX-512-only kernels are absent, and nothing chooses them; the portable row-major quantized kernel runs.
+    # The AVX-512-only kernels are absent, and nothing chooses them; the portable row-major quantized kernel runs, and
+    # INT8 activations take the AVX2 kernel.
     assert not torch.ops.pagoda.quant_panels_supported(64, 64) and not torch.ops.pagoda.int4x8_supported(64, 64)
     assert torch.ops.pagoda.quant_linear_supported(64, 64)
     assert not k_words_supported(torch.bfloat16, 16, 64) and len(k_cache_shape(4, 2, 16, 64, torch.bfloat16)) == 4
@@ -80,10 +81,14 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
     pw = quantize_weight("int4", w, 32)
     for dtype in (torch.float32, torch.bfloat16):
         kernel = choose_linear_kernel(None, pw, None, dtype, KernelPolicy(cpp=True, int4_activations="int8"))
-        assert kernel.qweight.layout == "rows" and kernel.cpp and kernel.stack_args() is not None
+        assert kernel.qweight.layout == "rows_a8" and kernel.cpp and kernel.stack_args() is not None
+        weight_only = choose_linear_kernel(None, pw, None, dtype, policy)
+        assert weight_only.qweight.layout == "rows" and weight_only.cpp
         x = torch.randn(3, 128, dtype=dtype)
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
-        torch.testing.assert_close(kernel.run(x).float(), (x.float() @ pw.dequantize().T), **tol)
+        torch.testing.assert_close(weight_only.run(x).float(), (x.float() @ pw.dequantize().T), **tol)
+        exact = x.float() @ pw.dequantize().T  # INT8 activations: within their rounding (about 1%)
+        assert ((kernel.run(x).float() - exact).norm() / exact.norm()).item() < 3e-2
     assert choose_linear_kernel(w, None, None, torch.float32, policy).stack_args() is None  # no decoder stack
 
 

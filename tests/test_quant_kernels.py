@@ -184,6 +184,28 @@ def test_int4x8_kernel_computes_int8_activations_times_int4_weights(k, n, group,
                                atol=3e-2, rtol=8e-3)
 
 
+@pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4a8_supported(64, 64)),
+                    reason="the INT8-activation AVX2 kernel needs the C++ kernels with AVX2")
+@pytest.mark.parametrize("k,n,group", [(576, 64, 32), (1536, 37, 64), (96, 5, 32), (256, 131, 128)])
+def test_int4a8_kernel_computes_int8_activations_times_int4_weights(k, n, group):
+    """The AVX2 kernel (layout rows_a8, what builds without VNNI run for int4_activations="int8"): the same sums as
+    llama.cpp's Q4 x Q8 (x rounded to int8 per 32 columns), at every row count 1-64, each row as computed alone."""
+    pw, b = _case("int4", k, n, True, group, seed=n)
+    a8 = pw.rows_a8()
+    assert (a8.format, a8.layout, a8.out_features) == ("int4", "rows_a8", n) and cpp_supported(a8)
+    assert a8.row_major().layout == "rows" and torch.equal(a8.dequantize(), pw.dequantize())
+    x = torch.randn(64, k) * (0.5 + 4 * torch.rand(1, k))  # uneven columns: the per-32 scales differ
+    alone = torch.cat([quant_linear(x[i:i + 1], a8, b, use_cpp=True) for i in range(len(x))])
+    torch.testing.assert_close(alone.double(), _int8_activation_ref(x, pw) + b.double(), atol=1e-4, rtol=1e-4)
+    for m in (2, 3, 5, 8, 9, 17, 64):
+        assert torch.equal(quant_linear(x[:m], a8, b, use_cpp=True), alone[:m]), f"{m} rows"
+    if torch.ops.pagoda.int4x8_supported(k, group) and n % 8 == 0:  # the VNNI kernel computes the same sums
+        torch.testing.assert_close(quant_linear(x, pw.interleave8(), b, use_cpp=True), alone, atol=1e-5, rtol=1e-5)
+    yb = quant_linear(x.bfloat16(), a8, b, use_cpp=True)
+    torch.testing.assert_close(yb.double(), _int8_activation_ref(x.bfloat16().float(), pw) + b.double(),
+                               atol=3e-2, rtol=8e-3)
+
+
 @pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)),
                     reason="int4x8 needs the C++ kernels with VNNI and GFNI")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,10 +242,12 @@ def test_int4_activation_mode_picks_the_layout():
         assert (kernel_layout(f8, dtype).format, kernel_layout(f8, dtype).layout) == ("fp8", want)
     assert kernel_layout(pw, torch.float16) is pw  # other dtypes: the torch fallback
     vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
+    avx2 = cpp_supported(pw) and torch.ops.pagoda.int4a8_supported(576, 64)
     for dtype in (f32, bf16):
         il = kernel_layout(pw, dtype, "int8")
-        assert (il.format, il.layout) == ("int4", "interleave8" if vnni else "rows")
-    assert kernel_layout(odd_rows, bf16, "int8") is odd_rows  # blocks of 8 rows
+        assert (il.format, il.layout) == ("int4", "interleave8" if vnni else "rows_a8" if avx2 else "rows")
+    # Rows not in blocks of 8: the AVX2 kernel, which takes any row count
+    assert kernel_layout(odd_rows, bf16, "int8").layout == ("rows_a8" if avx2 else "rows")
     int8, _ = _case("int8", 576, 40, False)
     assert kernel_layout(int8, bf16, "int8") is int8
     with pytest.raises(ValueError, match="int4_activations"):

@@ -10,8 +10,9 @@ _HEADER = Path(__file__).parent / "cpu" / "linear_formats.h"
 
 QuantFormat = Literal["int4", "int8", "fp8"]  # what one code is (PackedWeight.format)
 # How the codes are laid out (PackedWeight.layout): rows as stored; INT4 in blocks of 8 interleaved rows for the
-# INT8-activation (VNNI) kernel; panels of 16 output columns for the bf16 panel kernel.
-Layout = Literal["rows", "interleave8", "panels16"]
+# INT8-activation VNNI kernel; INT4 rows as stored for the INT8-activation AVX2 kernel (rows_a8: the same bytes, read
+# by another kernel); panels of 16 output columns for the bf16 panel kernel.
+Layout = Literal["rows", "interleave8", "rows_a8", "panels16"]
 
 
 def _read(header: Path) -> dict[str, int]:
@@ -28,6 +29,7 @@ QUANT_CODES: dict[tuple[QuantFormat, Layout], int] = {
     ("int8", "rows"): LINEAR_FORMATS["int8"],
     ("fp8", "rows"): LINEAR_FORMATS["fp8"],
     ("int4", "interleave8"): LINEAR_FORMATS["int4x8"],
+    ("int4", "rows_a8"): LINEAR_FORMATS["int4a8"],
     ("int4", "panels16"): LINEAR_FORMATS["int4p"],
     ("int8", "panels16"): LINEAR_FORMATS["int8p"],
     ("fp8", "panels16"): LINEAR_FORMATS["fp8p"],

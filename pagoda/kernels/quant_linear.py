@@ -7,9 +7,10 @@ min m is the offset directly). INT4, INT8 and FP8 weights are prepared in panels
 (cpu/quant_panel_linear.cpp). Shapes the panels cannot take (rows not a multiple of 16) run the C++ streaming
 kernel (cpu/quant_linear.cpp), which reads each packed weight once per 8 activation rows and accumulates in
 fp32, also at every row count. On
-request (config `int4_activations="int8"`), INT4 layers are prepared in layout "interleave8" (`kernel_layout`):
+request (config `int4_activations="int8"`), INT4 layers are prepared in layout "interleave8" (`kernel_layout`;
+without VNNI, "rows_a8": the row-major codes for the AVX2 kernel, vpmaddubsw against x quantized the same way):
 8 interleaved rows, whose kernel quantizes activations to INT8 per 32 columns and computes with integer dot
-products (VNNI). Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another
+products (VNNI); both INT8-activation kernels compute the same sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another
 device use the torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
 
 Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
@@ -28,7 +29,7 @@ from pagoda.kernels.linear import PANEL, dense_linear
 from pagoda.kernels.linear_formats import FIRST_PANEL_CODE, QUANT_CODES, Layout, QuantFormat
 
 # Output rows per row of `data`, by layout.
-_ROWS_PER_DATA_ROW: dict[Layout, int] = {"rows": 1, "interleave8": 8, "panels16": PANEL}
+_ROWS_PER_DATA_ROW: dict[Layout, int] = {"rows": 1, "interleave8": 8, "rows_a8": 1, "panels16": PANEL}
 
 
 @dataclass
@@ -78,6 +79,13 @@ class PackedWeight:
                             None if self.offsets is None else _blocks_of_8(self.offsets), self.group_size, k,
                             "interleave8")
 
+    def rows_a8(self) -> PackedWeight:
+        """INT4 for the AVX2 INT8-activation kernel (cpu/quant_linear.cpp, rows_int4_a8): the row-major codes as
+        they are, which that kernel reads as vpmaddubsw operands against x quantized per 32 columns."""
+        self._require_row_major("rows_a8", "int4", "K and groups of a multiple of 32",
+                                self.in_features % 32 == 0 and self.group_size % 32 == 0)
+        return PackedWeight("int4", self.data, self.scales, self.offsets, self.group_size, self.in_features, "rows_a8")
+
     def panels16(self) -> PackedWeight:
         """Layout panels16, the bf16 panel kernel's (cpu/quant_panel_linear.cpp), whatever the format."""
         return {"int4": self.int4_panels, "int8": self.int8_panels, "fp8": self.fp8_panels}[self.format]()
@@ -118,6 +126,8 @@ class PackedWeight:
         """Layout rows: the inverse of interleave8 and panels16 (a row-major weight is returned as it is)."""
         if self.layout == "rows":
             return self
+        if self.layout == "rows_a8":
+            return PackedWeight("int4", self.data, self.scales, self.offsets, self.group_size, self.in_features)
         n, k = self.out_features, self.in_features
         if self.layout == "interleave8":
             data = self.data.view(n // 8, k // 64, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 2)
@@ -245,7 +255,7 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
     `int4_activations="int8"` (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel
-    (VNNI + GFNI; K a multiple of 64; rows a multiple of 8); otherwise, with bf16 or fp32 activations, every format
+    (VNNI + GFNI; K a multiple of 64; rows a multiple of 8), else rows_a8 (the AVX2 kernel); otherwise, with bf16 or fp32 activations, every format
     takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products,
     or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes)."""
     if int4_activations not in ("int8", "float"):
@@ -253,8 +263,9 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
     if pw.layout != "rows" or not cpp_supported(pw):
         return pw
     if int4_activations == "int8" and pw.format == "int4":
-        ok = pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size)
-        return pw.interleave8() if ok else pw
+        if pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size):
+            return pw.interleave8()
+        return pw.rows_a8() if torch.ops.pagoda.int4a8_supported(pw.in_features, pw.group_size) else pw
     if act_dtype in (torch.bfloat16, torch.float32) and pw.out_features % PANEL == 0 \
             and (pw.format != "fp8" or pw.offsets is None) \
             and torch.ops.pagoda.quant_panels_supported(pw.in_features, pw.group_size):
@@ -266,6 +277,8 @@ def cpp_supported(pw: PackedWeight) -> bool:
     k, g = pw.in_features, pw.group_size
     if pw.layout == "panels16":
         return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_panels_supported(k, g)
+    if pw.layout == "rows_a8":
+        return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.int4a8_supported(k, g)
     return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_linear_supported(k, g)
 
 

@@ -1,7 +1,7 @@
 // The formats of a linear layer's weight as the kernels take them: ONE table for C++ and Python
 // (pagoda/kernels/linear_formats.py reads this enum at import, so a new format is added here only).
 // format_linear (linear_formats.cpp) dispatches on it for the decoder stack and the MoE experts;
-// quant_linear.cpp takes kInt4..kInt4x8; quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p).
+// quant_linear.cpp takes kInt4..kInt4a8; quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p).
 #pragma once
 
 #include <cstdint>
@@ -15,9 +15,10 @@ enum LinearFormat : int64_t {
   kInt8 = 1,     // INT8 codes, row-major
   kFp8 = 2,      // FP8 e4m3 codes, row-major
   kInt4x8 = 3,   // INT4 in blocks of 8 interleaved rows, INT8 activations (VNNI)
-  kInt4p = 4,    // INT4 in panels of 16 output columns
-  kInt8p = 5,    // INT8 in panels, one byte a code
-  kFp8p = 6,     // FP8 in panels
+  kInt4a8 = 4,   // INT4 row-major (as kInt4), INT8 activations (AVX2 vpmaddubsw; builds without VNNI)
+  kInt4p = 5,    // INT4 in panels of 16 output columns
+  kInt8p = 6,    // INT8 in panels, one byte a code
+  kFp8p = 7,     // FP8 in panels
 };
 
 }  // namespace pagoda_cpu

@@ -45,8 +45,8 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const c
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                                          int64_t, int64_t, int64_t, at::ScalarType)>();
   // Bytes per row of codes -> K: INT4 packs two a byte; INT4x8 holds 8 rows of K / 2 bytes per row of codes.
-  const int64_t K = fmt == pagoda_cpu::kInt4 ? 2 * codes.size(1) : fmt == pagoda_cpu::kInt4x8 ? codes.size(1) / 4
-                                                                                                : codes.size(1);
+  const bool int4_rows = fmt == pagoda_cpu::kInt4 || fmt == pagoda_cpu::kInt4a8;
+  const int64_t K = int4_rows ? 2 * codes.size(1) : fmt == pagoda_cpu::kInt4x8 ? codes.size(1) / 4 : codes.size(1);
   return op.call(codes, scales, offsets, fmt, group_size, K, dtype);
 }
 
@@ -58,7 +58,7 @@ at::Tensor expert_linear(const at::Tensor& x, const c10::List<c10::optional<at::
   TORCH_CHECK(w.has_value(), "moe_experts: linear ", index, " has no weight");
   if (x.size(0) <= max_rows) return pagoda_cpu::format_linear(x, *w, scales, offsets, bias, fmt, group_size);
   if (fmt == pagoda_cpu::kDense) return at::linear(x, *w, bias);
-  TORCH_CHECK(fmt >= pagoda_cpu::kInt4 && fmt <= pagoda_cpu::kInt4x8 && scales.has_value(), "moe_experts: linear ",
+  TORCH_CHECK(fmt >= pagoda_cpu::kInt4 && fmt <= pagoda_cpu::kInt4a8 && scales.has_value(), "moe_experts: linear ",
               index, " (format ", fmt, ") has no path for ", x.size(0), " rows");
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(x.scalar_type());

@@ -51,17 +51,16 @@ constexpr int64_t kChunkM = 8;
 using Fmt = pagoda_cpu::LinearFormat;  // kInt4, kInt8, kFp8 and kInt4x8 (linear_formats.h)
 using pagoda_cpu::kFp8;
 using pagoda_cpu::kInt4;
+using pagoda_cpu::kInt4a8;
 using pagoda_cpu::kInt4x8;
 using pagoda_cpu::kInt8;
 
 using pagoda_simd::hsum;
-using pagoda_simd::vb;
 using pagoda_simd::vf;
 using pagoda_simd::vfma;
 using pagoda_simd::vi;
 using pagoda_simd::vload;
-using pagoda_simd::vload_bytes;
-using pagoda_simd::vsb;
+using pagoda_simd::vload_widen;
 using pagoda_simd::vsplat;
 using pagoda_simd::vstore;
 using pagoda_simd::vu;
@@ -77,17 +76,17 @@ constexpr int64_t kTileRows = 16;  // weight rows per dequantized tile (16 x K f
 template <int F>
 inline void decode(const uint8_t* row, int64_t k, vf& a, vf& b) {
   if constexpr (F == kInt4) {
-    const vi v = __builtin_convertvector(vload_bytes<vb>(row + k / 2), vi);
+    const vi v = vload_widen<false>(row + k / 2);
     a = __builtin_convertvector(v & 0xF, vf);
     b = __builtin_convertvector(v >> 4, vf);
   } else if constexpr (F == kInt8) {
-    a = __builtin_convertvector(__builtin_convertvector(vload_bytes<vsb>(row + k), vi), vf);
-    b = __builtin_convertvector(__builtin_convertvector(vload_bytes<vsb>(row + k + W), vi), vf);
+    a = __builtin_convertvector(vload_widen<true>(row + k), vf);
+    b = __builtin_convertvector(vload_widen<true>(row + k + W), vf);
   } else {
     // e4m3fn -> fp32: magnitude bits shifted into an fp32 exponent/mantissa give value * 2^-120
     // (subnormals included, as fp32 denormals); one multiply restores the scale.
     auto one = [](const uint8_t* p) {
-      const vu v = __builtin_convertvector(vload_bytes<vb>(p), vu);
+      const vu v = (vu)vload_widen<false>(p);
       const vf mag = (vf)((v & 0x7F) << 20) * 1.329228e36f;  // 2^120
       return (vf)((vu)mag | ((v & 0x80) << 24));
     };
@@ -282,6 +281,122 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, cons
   }
 }
 
+// Blocks of weight rows in parallel; within a block every 8-row chunk of x reuses the cached rows.
+template <typename Rows>
+void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
+  // Small M: ~64 weight rows per task keeps both threads streaming. Large M: blocks of 16 rows are
+  // revisited by every 8-row chunk of x while they sit in cache.
+  const int64_t grain = M <= kChunkM ? 64 : 16;
+  at::parallel_for(0, N, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t n0 = b0; n0 < b1; n0 += grain) {
+      const int64_t n1 = std::min(b1, n0 + grain);
+      for (int64_t m0 = 0; m0 < M; m0 += kChunkM) rows_fn(m0, std::min(kChunkM, M - m0), n0, n1);
+    }
+  });
+}
+
+// x quantized to int8 per row and 32 columns, as llama.cpp's Q8 blocks are: scale a = max|x| / 127 (xa [M, K / 32]),
+// round to nearest; each `chunk` columns (the kernel's nibble order) stored [even | odd]. xs: exact fp32 sums of x per
+// group of gs columns, for the offsets.
+struct QuantizedX {
+  std::vector<int8_t> xq;
+  std::vector<float> xa, xs;
+};
+
+QuantizedX quantize_x_i8(const at::Tensor& x, int64_t chunk, int64_t gs) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* src = xf.data_ptr<float>();
+  const int64_t M = xf.size(0), K = xf.size(1), G = K / gs;
+  QuantizedX q{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<float>(M * G, 0.f)};
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = src + m * K;
+    float* a = q.xa.data() + m * K / 32;
+    for (int64_t k = 0; k < K; ++k) q.xs[m * G + k / gs] += r[k];
+    for (int64_t k = 0; k < K; k += 32) {
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(r[k + j]));
+      a[k / 32] = amax / 127.f;
+    }
+    int8_t* d = q.xq.data() + m * K;
+    for (int64_t k = 0; k < K; k += chunk)
+      for (int64_t j = 0; j < chunk / 2; ++j) {
+        const float sa = a[(k + 2 * j) / 32];  // columns 2j and 2j + 1 share a 32-column block
+        const float inv = sa > 0.f ? 1.f / sa : 0.f;
+        d[k + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j] * inv));
+        d[k + chunk / 2 + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j + 1] * inv));
+      }
+  }
+  return q;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// INT4 weights (row-major, as kInt4) times INT8 activations on AVX2 (fmt kInt4a8): what builds without VNNI run
+// for int4_activations="int8", llama.cpp's Q4 x Q8 dot product. Per 32 columns a row's 16 bytes become 32 codes
+// [low nibbles | high nibbles] = [even | odd columns], matching x's [even | odd] int8 block; vpmaddubsw multiplies
+// unsigned codes by signed activations into 16-bit pairs (|sum| <= 2 * 15 * 127: no saturation), vpmaddwd sums
+// pairs to 8 int32, and one FMA adds them scaled by s * a. One chain per (weight row, activation row), summed in a
+// fixed order at the end whatever the row count (batch invariance); four weight rows at a time at one row.
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+template <int M, int R, typename O>
+void rows_int4_a8(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, const float* bias,
+                  const QuantizedX& q, int64_t m0, O* y, int64_t ldy, int64_t K, int64_t G, int64_t gs, int64_t n0,
+                  int64_t n1) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* xq = q.xq.data() + m0 * K;
+  const float* xa = q.xa.data() + m0 * K / 32;
+  const float* xs = q.xs.data() + m0 * G;
+  const int64_t ahead = std::max<int64_t>(R, 4096 / row_bytes);  // rows ~4 KiB ahead, into L1
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* row = w + (n + r) * row_bytes + k / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(row + ahead * row_bytes), _MM_HINT_T0);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);
+        const float s = scales[(n + r) * G + k / gs];
+        for (int m = 0; m < M; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k));
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xa[m * K / 32 + k / 32]), acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float bv = bias ? bias[n + r] : 0.f;
+      for (int m = 0; m < M; ++m) {
+        float off = 0.f;
+        if (offsets)
+          for (int64_t g = 0; g < G; ++g) off += offsets[(n + r) * G + g] * xs[m * G + g];
+        y[m * ldy + n + r] = static_cast<O>(hsum8(acc[r][m]) + off + bv);
+      }
+    }
+  }
+  if constexpr (R > 1) {
+    if (n < n1) rows_int4_a8<M, 1, O>(w, row_bytes, scales, offsets, bias, q, m0, y, ldy, K, G, gs, n, n1);
+  }
+}
+#define PAGODA_INT4_A8 1
+#endif
+
+bool int4a8_supported(int64_t K, int64_t group_size) {
+#if defined(PAGODA_INT4_A8)
+  return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;
+#else
+  (void)K;
+  (void)group_size;
+  return false;
+#endif
+}
+
 #if defined(PAGODA_QUANT_AVX512)
 #if defined(__AVX512BF16__)
 // INT4 with bf16 activations: a code q becomes the bf16 number 128 + q with one OR (0x4300 | q: the
@@ -455,20 +570,6 @@ void blocks_int4x8_i8(const uint8_t* w, const float* scales, const float* offset
 #define PAGODA_INT4_I8 1
 #endif
 
-// Blocks of weight rows in parallel; within a block every 8-row chunk of x reuses the cached rows.
-template <typename Rows>
-void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
-  // Small M: ~64 weight rows per task keeps both threads streaming. Large M: blocks of 16 rows are
-  // revisited by every 8-row chunk of x while they sit in cache.
-  const int64_t grain = M <= kChunkM ? 64 : 16;
-  at::parallel_for(0, N, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t n0 = b0; n0 < b1; n0 += grain) {
-      const int64_t n1 = std::min(b1, n0 + grain);
-      for (int64_t m0 = 0; m0 < M; m0 += kChunkM) rows_fn(m0, std::min(kChunkM, M - m0), n0, n1);
-    }
-  });
-}
-
 #endif
 
 
@@ -492,14 +593,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                         int64_t fmt, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar),
               "quant_linear: x [M, K], w uint8/int8 [N, bytes]");
-  TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_linear: unknown format");
+  TORCH_CHECK(fmt >= kInt4 && fmt <= kInt4a8, "quant_linear: unknown format");
   // int4x8 (kInt4x8) stores blocks of 8 rows: w [N / 8, 8 * K / 2].
   const int64_t M = x.size(0), K = x.size(1), N = fmt == kInt4x8 ? 8 * w.size(0) : w.size(0);
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_linear: unsupported K/group size");
   TORCH_CHECK(fmt != kInt4x8 || int4x8_supported(K, group_size), "quant_linear: int4x8 needs this CPU's VNNI "
               "and GFNI, K a multiple of 64 and of the group size");
-  const int64_t row_bytes = fmt == kInt4 ? K / 2 : K;
+  const int64_t row_bytes = fmt == kInt4 || fmt == kInt4a8 ? K / 2 : K;
   const int64_t G = K / group_size;
+  TORCH_CHECK(fmt != kInt4a8 || int4a8_supported(K, group_size), "quant_linear: int4a8 needs AVX2");
   TORCH_CHECK(w.size(1) == (fmt == kInt4x8 ? 4 * K : row_bytes) && w.is_contiguous(), "quant_linear: weight shape");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
               "quant_linear: scales fp32 [N, G]");
@@ -514,31 +616,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 #if defined(PAGODA_QUANT_AVX512)
 #if defined(PAGODA_INT4_I8)
   if (fmt == kInt4x8) {
-    // Quantize x to int8 per row and 32 columns (scale = max|x| / 127), each 64-column chunk split
-    // [even | odd]; xs: exact fp32 sums per weight group, for the offsets.
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const float* src = xf.data_ptr<float>();
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> xa(M * K / 32), xs(M * G, 0.f);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* r = src + m * K;
-      for (int64_t k = 0; k < K; ++k) xs[m * G + k / group_size] += r[k];
-      for (int64_t k = 0; k < K; k += 32) {
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(r[k + j]));
-        xa[m * K / 32 + k / 32] = amax / 127.f;
-      }
-      int8_t* d = xq.data() + m * K;
-      for (int64_t k = 0; k < K; k += 64) {
-        const float inv_a = xa[m * K / 32 + k / 32] > 0.f ? 1.f / xa[m * K / 32 + k / 32] : 0.f;
-        const float inv_b = xa[m * K / 32 + k / 32 + 1] > 0.f ? 1.f / xa[m * K / 32 + k / 32 + 1] : 0.f;
-        for (int j = 0; j < 32; ++j) {
-          const float inv = j < 16 ? inv_a : inv_b;  // columns 2j, 2j + 1 lie in the first 32 for j < 16
-          d[k + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j] * inv));
-          d[k + 32 + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j + 1] * inv));
-        }
-      }
-    }
+    const QuantizedX q = quantize_x_i8(x, 64, group_size);  // each 64-column chunk [even | odd]
     const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
     const float* sp = scales.data_ptr<float>();
     const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
@@ -550,8 +628,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
         for (int64_t m0 = 0; m0 < M; m0 += kChunkM)
           dispatch_m(std::min(kChunkM, M - m0), [&](auto c) {
             constexpr int Mc = decltype(c)::value, R = Mc == 1 ? 2 : 1;  // two blocks in flight at M = 1
-            blocks_int4x8_i8<Mc, R, O>(wp, sp, op, bp, xq.data() + m0 * K, xa.data() + m0 * K / 32, xs.data() + m0 * G,
-                                       yp + m0 * N, N, K, G, group_size, p0, p1);
+            blocks_int4x8_i8<Mc, R, O>(wp, sp, op, bp, q.xq.data() + m0 * K, q.xa.data() + m0 * K / 32,
+                                       q.xs.data() + m0 * G, yp + m0 * N, N, K, G, group_size, p0, p1);
           });
       });
     };
@@ -592,10 +670,32 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   }
 #endif
 #endif
+#if defined(PAGODA_INT4_A8)
+  if (fmt == kInt4a8) {
+    const QuantizedX q = quantize_x_i8(x, 32, group_size);  // each 32 columns [even | odd]: the nibbles' order
+    const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+    const float* sp = scales.data_ptr<float>();
+    const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+    const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    auto go = [&](auto* yp) {
+      using O = std::remove_pointer_t<decltype(yp)>;
+      run_blocks(M, N, [&](int64_t m0, int64_t mc, int64_t n0, int64_t n1) {
+        dispatch_m(mc, [&](auto c) {
+          constexpr int Mc = decltype(c)::value, R = Mc == 1 ? 4 : Mc == 2 ? 2 : 1;
+          rows_int4_a8<Mc, R, O>(wp, row_bytes, sp, op, bp, q, m0, yp + m0 * N, N, K, G, group_size, n0, n1);
+        });
+      });
+    };
+    if (x.scalar_type() == at::kFloat) go(y.data_ptr<float>());
+    else if (x.scalar_type() == at::kBFloat16) go(y.data_ptr<c10::BFloat16>());
+    else TORCH_CHECK(false, "quant_linear: x must be float32 or bfloat16");
+    return y;
+  }
+#endif
   // The portable kernel: fp32 activations (bf16 ones widened), output in x's dtype.
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16");
-  TORCH_CHECK(fmt != kInt4x8, "quant_linear: int4x8 weights need the VNNI kernel");
+  TORCH_CHECK(fmt != kInt4x8 && fmt != kInt4a8, "quant_linear: INT8-activation weights need their kernel");
   std::vector<float> xd, xs;
   prepare_x(x, fmt, group_size, offsets.has_value(), xd, xs);
   const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
@@ -621,7 +721,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // benchmarks.quant_kernels). No layer uses it since every row count runs the kernels above (batch invariance).
 at::Tensor quant_dequantize(const at::Tensor& w, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                             int64_t fmt, int64_t group_size, int64_t K, at::ScalarType dtype) {
-  TORCH_CHECK(fmt >= 0 && fmt <= 3, "quant_dequantize: unknown format");
+  TORCH_CHECK(fmt >= kInt4 && fmt <= kInt4a8, "quant_dequantize: unknown format");
+  if (fmt == kInt4a8) fmt = kInt4;  // the same codes; only the activations differ
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_dequantize: unsupported K/group size");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bfloat16");
   const bool il = fmt == kInt4x8;  // int4x8: w [N / 8, 8 * K / 2]
@@ -664,6 +765,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? offsets, Tensor? bias, int fmt, int group_size) "
         "-> Tensor");
   m.def("int4x8_supported(int K, int group_size) -> bool", &int4x8_supported);  // no tensors: no dispatch key
+  m.def("int4a8_supported(int K, int group_size) -> bool", &int4a8_supported);
   m.def("quant_linear_supported(int K, int group_size) -> bool", &quant_linear_supported);  // no tensors
   m.def("quant_dequantize(Tensor w, Tensor scales, Tensor? offsets, int fmt, int group_size, int K, ScalarType dtype) "
         "-> Tensor");

@@ -1,6 +1,6 @@
 // Portable SIMD through GCC/Clang vector extensions, shared by the kernels written once for every ISA (paged
 // attention, the row-major quantized linears): the compiler lowers a vector to the widest registers -march
-// allows (AVX-512: one zmm; AVX2: one ymm; NEON: a pair of q registers), so the same source is the x86 build CI
+// allows (AVX-512: one zmm; AVX2: one ymm; NEON: one q register), so the same source is the x86 build CI
 // tests and the Arm build test_kernels_arm.py compiles. ISA-specific tiles live beside it where they pay.
 #pragma once
 
@@ -16,17 +16,19 @@
 
 namespace pagoda_simd {
 
-// W fp32 lanes per vector.
+// W fp32 lanes per vector: one register. (On NEON a pair of 4-lane registers as one 8-lane vector would be
+// lowered lane by lane wherever a conversion is involved.)
 #if defined(__AVX512F__)
 constexpr int W = 16;
+#elif defined(__ARM_NEON)
+#define PAGODA_SIMD_NEON 1
+constexpr int W = 4;
 #else
 constexpr int W = 8;
 #endif
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
-typedef uint8_t vb __attribute__((vector_size(W)));   // W bytes, widened by __builtin_convertvector
-typedef int8_t vsb __attribute__((vector_size(W)));
 
 inline vf vload(const float* p) {
   vf v;
@@ -42,16 +44,8 @@ inline vf vfma(vf a, vf b, vf c) {
   return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif defined(__FMA__)
   return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#elif defined(__ARM_NEON)
-  float32x4_t x[2], y[2], z[2];
-  std::memcpy(x, &a, sizeof(x));
-  std::memcpy(y, &b, sizeof(y));
-  std::memcpy(z, &c, sizeof(z));
-  z[0] = vfmaq_f32(z[0], x[0], y[0]);
-  z[1] = vfmaq_f32(z[1], x[1], y[1]);
-  vf r;
-  std::memcpy(&r, z, sizeof(r));
-  return r;
+#elif defined(PAGODA_SIMD_NEON)
+  return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
 #else
   vf r;
   for (int i = 0; i < W; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
@@ -59,12 +53,31 @@ inline vf vfma(vf a, vf b, vf c) {
 #endif
 }
 
-template <typename V>
-inline V vload_bytes(const void* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+// W bytes widened to W int32 lanes, unsigned or signed. GCC 12 lowers __builtin_convertvector from bytes to a
+// wider vector element by element (about 30 scalar instructions for 8 bytes), so each ISA gets its one widening
+// instruction here.
+template <bool Signed>
+inline vi vload_widen(const void* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vi)(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (vi)(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#elif defined(PAGODA_SIMD_NEON)
+  uint32_t four;
+  std::memcpy(&four, p, sizeof(four));  // exactly W bytes: no read past the codes
+  const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(four));
+  if constexpr (Signed) return (vi)vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(b))));
+  else return (vi)vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))));
+#else
+  const auto* b = reinterpret_cast<const uint8_t*>(p);
+  vi r;
+  for (int i = 0; i < W; ++i) r[i] = Signed ? static_cast<int32_t>(static_cast<int8_t>(b[i])) : b[i];
+  return r;
+#endif
 }
+
 
 // Horizontal reductions as trees (a fixed order, so a sum does not depend on how it is called): a sequential
 // loop would be a W-deep dependency chain.
