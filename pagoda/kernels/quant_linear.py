@@ -2,16 +2,15 @@
 
 Every format is stored as `PackedWeight`: codes plus a per-(row, group) fp32 scale and optional
 fp32 offset, w = code * scale + offset (INT4's zero point z becomes offset = -scale * z; GGUF Q4_1's
-min m is the offset directly). INT4, INT8 and FP8 weights are prepared in panels of 16 output columns
-(`kernel_layout`: layout "panels16") for one C++ kernel at every row count, with bf16 or fp32 activations
-(cpu/quant_panel_linear.cpp). Shapes the panels cannot take (rows not a multiple of 16) run the C++ streaming
-kernel (cpu/quant_linear.cpp), which reads each packed weight once per 8 activation rows and accumulates in
-fp32, also at every row count. On
-request (config `int4_activations="int8"`), INT4 layers are prepared in layout "interleave8" (`kernel_layout`;
-without VNNI, "rows_a8": the row-major codes for the AVX2 kernel, vpmaddubsw against x quantized the same way):
-8 interleaved rows, whose kernel quantizes activations to INT8 per 32 columns and computes with integer dot
-products (VNNI); both INT8-activation kernels compute the same sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another
-device use the torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
+min m is the offset directly). With bf16 or fp32 activations, where the build has the panel kernel
+(AVX512-BF16), INT4, INT8 and FP8 weights are prepared in panels of 16 output columns (`kernel_layout`: layout
+"panels16") for one C++ kernel at every row count (cpu/quant_panel_linear.cpp). Elsewhere (other builds: avx2,
+Arm; shapes the panels cannot take) the portable row-major kernel (cpu/quant_linear.cpp) runs, also at every row
+count, with fp32 sums. On request (config `int4_activations="int8"`), INT4 layers quantize their activations to INT8
+per 32 columns and compute with integer dot products: layout "interleave8" (8 interleaved rows, VNNI) where the
+build has it, else "rows_a8" (the row-major codes, AVX2 vpmaddubsw); both kernels compute the same sums. Shapes the
+kernels cannot take (K or group not a multiple of 32), a missing build, or another device use the torch fallback
+(`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
 
 Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
 output in one order at every row count, and the fallback multiplies through oneDNN with at least two rows
