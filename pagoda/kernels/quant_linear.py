@@ -252,9 +252,9 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
-    """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with
-    `int4_activations="int8"` (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel
-    (VNNI + GFNI; K a multiple of 64; rows a multiple of 8), else rows_a8 (the AVX2 kernel); otherwise, with bf16 or fp32 activations, every format
+    """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with `int4_activations="int8"`
+    (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel (VNNI + GFNI; K a multiple of 64;
+    rows a multiple of 8), else rows_a8 (the AVX2 kernel); otherwise, with bf16 or fp32 activations, every format
     takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products,
     or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes)."""
     if int4_activations not in ("int8", "float"):
