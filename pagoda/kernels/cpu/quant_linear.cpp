@@ -11,11 +11,11 @@
 //
 // The row-major kernel (`rows`) is portable vector code (simd.h): the same source is the AVX-512, AVX2 and NEON
 // build. Per 2W columns of a weight row it decodes the codes into two fp32 vectors, makes them weights with one
-// FMA each (code * s + o), and FMAs them into two chains per (weight row, activation row); a row's chains are
+// FMA each (code * s + o), and FMAs them into one chain per (weight row, activation row); a chain's W lanes are
 // summed in one tree at the end. That order depends on K and the format only, never on the row count (batch
 // invariance): the row count only decides how many activation rows share a decode, how many weight rows run
-// together (independent chains for M = 1), and whether a block of weight rows is dequantized once into a tile
-// that stays in cache (more rows than one pass takes: the same weights, loaded instead of decoded again).
+// together, and whether a block of weight rows is dequantized once into a tile that stays in cache (more rows
+// than one pass takes: the same weights, loaded instead of decoded again).
 // ISA-specific kernels where they measurably pay: INT4 with bf16 activations on AVX512-BF16 (rows_int4_bf16),
 // INT4 with INT8 activations on AVX512-VNNI (blocks_int4x8_i8). With bf16 or fp32 activations on AVX512-BF16 the
 // panel kernel (quant_panel_linear.cpp) takes every shape it can; these take the rest.
@@ -95,18 +95,25 @@ inline void decode(const uint8_t* row, int64_t k, vf& a, vf& b) {
   }
 }
 
-// Where `rows` gets the codes of a weight row's 2W weights at column k, as fp32 values. Codes: decoded from the
-// packed bytes. Tile: the same values, decoded into a buffer once (fill_tile) for every pass over the rows.
+// Where `rows` gets a weight row's 2W weights at column k (group g), as fp32: decoded from the packed codes and
+// scaled in registers (w = code * s + o, one rounding), or the same values loaded from a tile they were dequantized
+// into once (fill_tile) for every pass of activation rows over it.
 template <int F>
 struct CodeRows {
   const uint8_t* w;
   int64_t row_bytes;
+  const float* scales;   // [N, G]
+  const float* offsets;  // [N, G] or null
+  int64_t G;
   int64_t prefetch_rows;  // how far ahead rows are prefetched: the hardware prefetcher alone leaves the loop waiting
 
-  inline void load(int64_t n, int64_t k, vf& a, vf& b) const {
+  inline void load(int64_t n, int64_t g, int64_t k, vf& a, vf& b) const {
     const uint8_t* row = w + n * row_bytes;
     if (prefetch_rows) __builtin_prefetch(row + prefetch_rows * row_bytes + (F == kInt4 ? k / 2 : k), 0, 3);
     decode<F>(row, k, a, b);
+    const vf s = vsplat(scales[n * G + g]), o = vsplat(offsets ? offsets[n * G + g] : 0.f);
+    a = vfma(a, s, o);
+    b = vfma(b, s, o);
   }
 };
 
@@ -114,7 +121,7 @@ struct TileRows {
   const float* tile;  // rows [n0, n0 + kTileRows) x K, each 2W columns as `decode` orders them
   int64_t n0, K;
 
-  inline void load(int64_t n, int64_t k, vf& a, vf& b) const {
+  inline void load(int64_t n, int64_t, int64_t k, vf& a, vf& b) const {
     const float* p = tile + (n - n0) * K + k;
     a = vload(p);
     b = vload(p + W);
@@ -122,152 +129,123 @@ struct TileRows {
 };
 
 template <int F>
-void fill_tile(const CodeRows<F>& src, float* tile, int64_t K, int64_t n0, int64_t n1) {
+void fill_tile(const CodeRows<F>& src, float* tile, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t k = 0; k < K; k += 2 * W) {
       vf a, b;
-      src.load(n, k, a, b);
+      src.load(n, k / gs, k, a, b);
       vstore(tile + (n - n0) * K + k, a);
       vstore(tile + (n - n0) * K + k + W, b);
     }
 }
 
-// The weights' scales and offsets [N, G] (offsets may be null) and the activations: x prepared (split_even_odd)
-// [M, K] and its sums per group [M, G] (for the offsets).
-struct Operands {
-  const float* scales;
-  const float* offsets;
-  const float* bias;
-  const float* xd;
-  const float* xs;
-  int64_t K, G, gs;
-};
-
-// Output rows [n0, n1) for M activation rows, R weight rows at a time. Per (weight row, activation row): one
-// chain over a group's codes times x, scaled into the running sum at the group's end; the offsets' o * sum(x)
-// in a scalar sum beside it. Sum over a group: s * dot(code, x) + o * sum(x).
+// Output rows [n0, n1) for M activation rows (xd: prepared by split_even_odd, [M, K]), R weight rows at a time.
+// Each (weight row, activation row) is one chain of FMAs over k, W lanes wide, summed in one tree at the end.
 template <int M, int R, typename Src, typename O>
-void rows(const Src& src, const Operands& op, O* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t K = op.K, G = op.G, gs = op.gs;
+void rows(const Src& src, const float* bias, const float* xd, O* y, int64_t ldy, int64_t K, int64_t gs, int64_t n0,
+          int64_t n1) {
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     vf acc[R][M];
-    float off[R][M];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) { acc[r][m] = vf{}; off[r][m] = 0.f; }
-    for (int64_t g = 0; g < G; ++g) {
-      vf gacc[R][M];
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) gacc[r][m] = vf{};
-      for (int64_t k = g * gs; k < (g + 1) * gs; k += 2 * W)
-        for (int r = 0; r < R; ++r) {
-          vf a, b;
-          src.load(n + r, k, a, b);
-          for (int m = 0; m < M; ++m)
-            gacc[r][m] = vfma(b, vload(op.xd + m * K + k + W), vfma(a, vload(op.xd + m * K + k), gacc[r][m]));
-        }
-      for (int r = 0; r < R; ++r) {
-        const vf sv = vsplat(op.scales[(n + r) * G + g]);
-        for (int m = 0; m < M; ++m) acc[r][m] = vfma(gacc[r][m], sv, acc[r][m]);
-        if (op.offsets) {
-          const float o = op.offsets[(n + r) * G + g];
-          for (int m = 0; m < M; ++m) off[r][m] += o * op.xs[m * G + g];
-        }
+      for (int m = 0; m < M; ++m) acc[r][m] = vf{};
+    for (int64_t k = 0; k < K; k += 2 * W) {
+      vf a[R], b[R];  // every weight row's vectors first, so each activation vector is loaded once
+      for (int r = 0; r < R; ++r) src.load(n + r, k / gs, k, a[r], b[r]);
+      for (int m = 0; m < M; ++m) {
+        const vf xa = vload(xd + m * K + k), xb = vload(xd + m * K + k + W);
+        for (int r = 0; r < R; ++r) acc[r][m] = vfma(b[r], xb, vfma(a[r], xa, acc[r][m]));
       }
     }
     for (int r = 0; r < R; ++r) {
-      const float bv = op.bias ? op.bias[n + r] : 0.f;
-      for (int m = 0; m < M; ++m) y[m * ldy + n + r] = static_cast<O>(hsum(acc[r][m]) + off[r][m] + bv);
+      const float bv = bias ? bias[n + r] : 0.f;
+      for (int m = 0; m < M; ++m) y[m * ldy + n + r] = static_cast<O>(hsum(acc[r][m]) + bv);
     }
   }
   if constexpr (R > 1) {
-    if (n < n1) rows<M, 1>(src, op, y, ldy, n, n1);
+    if (n < n1) rows<M, 1>(src, bias, xd, y, ldy, K, gs, n, n1);
   }
 }
 
-// x [M, K] as fp32 with each 2W columns split [even | odd] for INT4 (the nibbles' order), as is otherwise; and
-// its exact sums per group of gs columns, for the offsets (none without offsets).
-void prepare_x(const at::Tensor& x, int64_t fmt, int64_t gs, bool sums, std::vector<float>& xd,
-               std::vector<float>& xs) {
+// x [M, K] as fp32 with each 2W columns split [even | odd] for INT4 (the nibbles' order), as is otherwise.
+std::vector<float> split_even_odd(const at::Tensor& x, int64_t fmt) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
   const float* src = xf.data_ptr<float>();
-  xd.resize(M * K);
-  xs.assign(sums ? M * (K / gs) : 0, 0.f);
+  std::vector<float> xd(M * K);
   if (fmt != kInt4) {
     std::memcpy(xd.data(), src, M * K * sizeof(float));
-  } else {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; k += 2 * W)
-        for (int j = 0; j < W; ++j) {
-          xd[m * K + k + j] = src[m * K + k + 2 * j];
-          xd[m * K + k + W + j] = src[m * K + k + 2 * j + 1];
-        }
+    return xd;
   }
-  if (sums)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xs[m * (K / gs) + k / gs] += src[m * K + k];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 2 * W)
+      for (int j = 0; j < W; ++j) {
+        xd[m * K + k + j] = src[m * K + k + 2 * j];
+        xd[m * K + k + W + j] = src[m * K + k + 2 * j + 1];
+      }
+  return xd;
 }
 
 // The row-major kernel over all of y: blocks of weight rows in parallel. Up to one pass of rows, each decodes the
-// weights it streams (R weight rows at a time where M is small, for independent chains); more rows decode each
-// block of weight rows into a tile once and run every pass of rows over it.
+// weights it streams (several weight rows at a time: independent chains, one activation load for all); more rows
+// dequantize each block of weight rows into a tile once and run every pass of kRowsPerPass rows over it, two
+// weight rows at a time (2 x kRowsPerPass accumulators, 4 weight and 2 activation vectors: 14 of AVX2's 16
+// registers; 22 of AVX-512's 32).
 template <int F, typename O>
-void run(const CodeRows<F>& src, const Operands& op, O* y, int64_t M, int64_t N) {
+void run(const CodeRows<F>& src, const float* xd, const float* bias, O* y, int64_t M, int64_t N, int64_t K,
+         int64_t gs) {
   if (M <= kRowsPerPass) {
     at::parallel_for(0, N, 64, [&](int64_t b0, int64_t b1) {
       dispatch_m(M, [&](auto c) {
-        constexpr int Mc = decltype(c)::value, R = Mc == 1 ? 4 : Mc == 2 ? 2 : 1;
-        rows<Mc, R>(src, op, y, N, b0, b1);
+        constexpr int Mc = decltype(c)::value, R = Mc <= 2 ? 4 : 2;
+        rows<Mc, R>(src, bias, xd, y, N, K, gs, b0, b1);
       });
     });
     return;
   }
   at::parallel_for(0, (N + kTileRows - 1) / kTileRows, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> tile(kTileRows * op.K);
+    std::vector<float> tile(kTileRows * K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
-      fill_tile(src, tile.data(), op.K, n0, n1);
-      const TileRows tiled{tile.data(), n0, op.K};
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-        Operands part = op;
-        part.xd += m0 * op.K;
-        part.xs += op.offsets ? m0 * op.G : 0;
+      fill_tile(src, tile.data(), K, gs, n0, n1);
+      const TileRows tiled{tile.data(), n0, K};
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
         dispatch_m(std::min(kRowsPerPass, M - m0), [&](auto c) {
-          rows<decltype(c)::value, 1>(tiled, part, y + m0 * N, N, n0, n1);
+          rows<decltype(c)::value, 2>(tiled, bias, xd + m0 * K, y + m0 * N, N, K, gs, n0, n1);
         });
-      }
     }
   });
 }
 
-// Dequantize rows [n0, n1) to O (float or c10::BFloat16) in k order: w = code * s + o, one rounding.
+// Dequantize rows [n0, n1) to O (float or c10::BFloat16) in k order: the values `rows` computes with.
 // IL: INT4 in the 8-row interleaved layout (see blocks_int4x8_i8), each row gathered back first.
 template <int F, typename O, bool IL = false>
 void dequant_rows(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, O* out,
                   int64_t K, int64_t G, int64_t gs, int64_t n0, int64_t n1) {
-  std::vector<uint8_t> gathered(IL ? row_bytes : 0);
+  std::vector<uint8_t> row(IL ? row_bytes : 0);
+  std::vector<float> rs(IL ? G : 0), ro(IL && offsets ? G : 0);
   float a_[W], b_[W];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    int64_t s0 = n * G, sstep = 1;  // scale of (n, g) at s0 + g * sstep
-    if constexpr (IL) {  // one row from its block of 8
+    CodeRows<F> src{w, row_bytes, scales, offsets, G, 0};
+    int64_t at_n = n;
+    if constexpr (IL) {  // one row with its scales, from its block of 8
       const int64_t b = n / 8, j = n % 8;
       for (int64_t c = 0; c < row_bytes / 32; ++c)
         for (int t = 0; t < 8; ++t)
-          std::memcpy(gathered.data() + 32 * c + 4 * t, w + b * 8 * row_bytes + 256 * c + 32 * t + 4 * j, 4);
-      wr = gathered.data();
-      s0 = b * G * 8 + j;
-      sstep = 8;
+          std::memcpy(row.data() + 32 * c + 4 * t, w + b * 8 * row_bytes + 256 * c + 32 * t + 4 * j, 4);
+      for (int64_t g = 0; g < G; ++g) {
+        rs[g] = scales[(b * G + g) * 8 + j];
+        if (offsets) ro[g] = offsets[(b * G + g) * 8 + j];
+      }
+      src = CodeRows<F>{row.data(), row_bytes, rs.data(), offsets ? ro.data() : nullptr, G, 0};
+      at_n = 0;
     }
     O* orow = out + n * K;
     for (int64_t k = 0; k < K; k += 2 * W) {
-      const int64_t g = s0 + (k / gs) * sstep;
-      const vf sv = vsplat(scales[g]), ov = vsplat(offsets ? offsets[g] : 0.f);
       vf a, b;
-      decode<F>(wr, k, a, b);
-      vstore(a_, vfma(a, sv, ov));
-      vstore(b_, vfma(b, sv, ov));
+      src.load(at_n, k / gs, k, a, b);
+      vstore(a_, a);
+      vstore(b_, b);
       for (int j = 0; j < W; ++j) {
         if constexpr (F == kInt4) {  // a: even columns, b: odd ones
           orow[k + 2 * j] = static_cast<O>(a_[j]);
@@ -696,15 +674,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16");
   TORCH_CHECK(fmt != kInt4x8 && fmt != kInt4a8, "quant_linear: INT8-activation weights need their kernel");
-  std::vector<float> xd, xs;
-  prepare_x(x, fmt, group_size, offsets.has_value(), xd, xs);
+  const std::vector<float> xd = split_even_odd(x, fmt);
   const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
-  const Operands op{scales.data_ptr<float>(), offsets.has_value() ? offsets->data_ptr<float>() : nullptr,
-                    bias.has_value() ? bias->data_ptr<float>() : nullptr, xd.data(), xs.data(), K, G, group_size};
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t ahead = std::max<int64_t>(4, 4096 / row_bytes);  // rows ~4 KiB ahead
   auto go = [&](auto f, auto* yp) {
     constexpr int F = decltype(f)::value;
-    run<F>(CodeRows<F>{wp, row_bytes, ahead}, op, yp, M, N);
+    run<F>(CodeRows<F>{wp, row_bytes, sp, op, G, ahead}, xd.data(), bp, yp, M, N, K, group_size);
   };
   auto go_fmt = [&](auto* yp) {
     if (fmt == kInt4) go(std::integral_constant<int, kInt4>{}, yp);

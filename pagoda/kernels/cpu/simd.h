@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
@@ -89,11 +89,29 @@ inline float hmax(vf v) {
   return a[0];
 }
 inline float hsum(vf v) {
+  // The same tree in registers (each step adds the upper half of the lanes onto the lower half), so the bits do
+  // not depend on the ISA's path.
+#if defined(__AVX512F__)
+  const __m512 z = (__m512)v;
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(z), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+#elif defined(__AVX__)
+  __m256 h = (__m256)v;
+#endif
+#if defined(__AVX__)
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+#elif defined(PAGODA_SIMD_NEON)
+  const float32x4_t q = (float32x4_t)v;
+  const float32x2_t p = vadd_f32(vget_low_f32(q), vget_high_f32(q));
+  return vget_lane_f32(p, 0) + vget_lane_f32(p, 1);
+#else
   float a[W];
   std::memcpy(a, &v, sizeof(a));
   for (int w = W / 2; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) a[i] += a[i + w];
   return a[0];
+#endif
 }
 
 }  // namespace pagoda_simd
