@@ -29,12 +29,14 @@ def test_a8_rows_load_their_models_with_int8_activations(tiny_llama, default_ggu
     from pagoda.bench.quant_table import _load
     from pagoda.kernels.cpu_extension import kernel_available
 
-    llm = _load(parse_row("int4+a8", tiny_llama), argparse.Namespace(concurrency=4, seed=0),
+    llm = _load(parse_row("int4+a8", tiny_llama), argparse.Namespace(concurrency=4, seed=0, dtype="auto",
+                                                                      kernels="auto"),
                 tokenizer=default_gguf, kv_cache_memory="16MiB")
     assert llm.engine.config.int4_activations == "int8"
     pw = llm.engine.runner.model.layers[0].mlp.gate_up_proj.qweight
     vnni = kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)
-    assert (pw.format, pw.layout) == ("int4", "interleave8" if vnni else "rows")
+    avx2 = kernel_available() and torch.ops.pagoda.int4a8_supported(64, 64)
+    assert (pw.format, pw.layout) == ("int4", "interleave8" if vnni else "rows_a8" if avx2 else "rows")
 
 
 def test_weight_bytes_counts_each_storage_once_and_skips_caches():

@@ -71,8 +71,8 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
     assert policy.cpp and policy.kernel_set == "avx2" == KernelPolicy.resolve("avx2").kernel_set
     with pytest.raises(RuntimeError, match="already loaded the C\\+\\+ kernels' 'avx2' build"):
         KernelPolicy.resolve("native")
-    # The AVX-512-only kernels are absent, and nothing chooses them; the portable row-major quantized kernel runs, and
-    # INT8 activations take the AVX2 kernel.
+    # The AVX-512-only kernels are absent, and nothing chooses them; the portable panel kernel runs quantized weights,
+    # and INT8 activations take the AVX2 kernel.
     assert not torch.ops.pagoda.quant_panels_supported(64, 64) and not torch.ops.pagoda.int4x8_supported(64, 64)
     assert torch.ops.pagoda.quant_linear_supported(64, 64)
     assert not k_words_supported(torch.bfloat16, 16, 64) and len(k_cache_shape(4, 2, 16, 64, torch.bfloat16)) == 4
@@ -83,7 +83,8 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
         kernel = choose_linear_kernel(None, pw, None, dtype, KernelPolicy(cpp=True, int4_activations="int8"))
         assert kernel.qweight.layout == "rows_a8" and kernel.cpp and kernel.stack_args() is not None
         weight_only = choose_linear_kernel(None, pw, None, dtype, policy)
-        assert weight_only.qweight.layout == "rows" and weight_only.cpp
+        assert weight_only.qweight.layout == "vpanels" and weight_only.cpp  # the portable panels, 16 columns
+        assert weight_only.qweight.data.shape == (4, 128, 8) and torch.ops.pagoda.vpanel_width() == 16
         x = torch.randn(3, 128, dtype=dtype)
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(weight_only.run(x).float(), (x.float() @ pw.dequantize().T), **tol)

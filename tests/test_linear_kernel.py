@@ -125,6 +125,8 @@ def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
         q = choose_linear_kernel(None, pw, None, dtype, auto)
         if q.qweight.layout == "panels16":  # the panel kernel serves every row count, fp32 and bf16
             assert q.code == LINEAR_FORMATS["int4p"] and q.stack_rows == ANY_M
+        elif q.qweight.layout == "vpanels":  # the portable panel kernel (builds without AVX512-BF16)
+            assert q.code == LINEAR_FORMATS["int4v"] and q.stack_rows == ANY_M
         else:  # so does the row-major streaming kernel (or none: the torch fallback)
             assert q.qweight is pw and q.code == LINEAR_FORMATS["int4"]
             assert q.stack_rows == (ANY_M if cpp_supported(pw) else 0)

@@ -59,12 +59,16 @@ _ROW_COUNTS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 31, 64, 100, 129, 256]
 
 
 @_ROWS
+@pytest.mark.parametrize("n", [53, 96])  # 53: the row-major kernel and its tails; 96: the build's panels
 @pytest.mark.parametrize("fmt", ["int4", "int4-sym", "int4-g128", "int8", "int8-g32", "fp8"])
-def test_fp32_activations_equal_the_dequantized_reference_at_every_row_count(fmt):
-    """The property issue 21 asks for: per format and row count 1-256 the fp32-activation kernel equals x @ the
-    dequantized weight (within fp32 summation error), and each row equals that row computed alone, bit for bit."""
-    torch.manual_seed(len(fmt))
-    k, n = 576, 53  # 53 rows: the weight-row tails of every pass and tile
+def test_fp32_activations_equal_the_dequantized_reference_at_every_row_count(fmt, n):
+    """The property issue 21 asks for: per format and row count 1-256 the fp32-activation kernel a layer gets
+    (kernel_layout: the panel kernel where the shape allows, the row-major one elsewhere) equals x @ the dequantized
+    weight (within fp32 summation error), and each row equals that row computed alone, bit for bit."""
+    from pagoda.kernels.quant_linear import kernel_layout
+
+    torch.manual_seed(len(fmt) + n)
+    k = 576
     w = torch.randn(n, k) / k**0.5
     method = fmt.split("-")[0]
     pw = quantize_weight(method, w, 128 if "g128" in fmt else 32)
@@ -72,12 +76,37 @@ def test_fp32_activations_equal_the_dequantized_reference_at_every_row_count(fmt
         pw = PackedWeight("int4", pw.data, pw.scales, None, pw.group_size, k)
     elif fmt == "int8-g32":  # GGUF Q8_0's grid
         pw = PackedWeight("int8", pw.data, torch.rand(n, k // 32) / 64 + 1e-3, None, 32, k)
+    pw = kernel_layout(pw, torch.float32)
+    assert cpp_supported(pw) and pw.layout in (("rows",) if n == 53 else ("panels16", "vpanels"))
     b = torch.randn(n)
     x = torch.randn(max(_ROW_COUNTS), k)
     alone = torch.cat([quant_linear(x[i:i + 1], pw, b, use_cpp=True) for i in range(len(x))])
     torch.testing.assert_close(alone, _ref(x, pw, b), atol=1e-4, rtol=1e-4)
     for m in _ROW_COUNTS:
         assert torch.equal(quant_linear(x[:m], pw, b, use_cpp=True), alone[:m]), f"{m} rows"
+
+
+_VPANELS = pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.quant_vpanels_supported(64, 64)),
+                              reason="the C++ kernels did not build")
+
+
+@_VPANELS
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("width", [8, 16, 32])
+def test_vpanel_layout_round_trips_and_gathers_rows(method, width):
+    """The portable panels' layout (every build's width: 8 on NEON, 16 on AVX2, 32 on AVX-512) is a permutation:
+    back to rows it is the weight it came from, and rows() gathers any rows in place (a tied head's embedding)."""
+    pw, _ = _case(method, 128, 64, False, 32)
+    vp = pw.vpanels(width)
+    assert (vp.layout, vp.out_features, vp.in_features) == ("vpanels", 64, 128)
+    back = vp.row_major()
+    for got, want in ((back.data, pw.data), (back.scales, pw.scales), (back.offsets, pw.offsets)):
+        assert (got is None and want is None) or torch.equal(got, want)
+    index = torch.tensor([63, 0, 17, 8, 8, width - 1])
+    assert torch.equal(vp.rows(index).dequantize(), pw.dequantize()[index])
+    if width == torch.ops.pagoda.vpanel_width():  # the build's width runs its kernel
+        x = torch.randn(5, 128)
+        torch.testing.assert_close(quant_linear(x, vp, None, use_cpp=True), _ref(x, pw, None), atol=1e-4, rtol=1e-4)
 
 
 @_ROWS
@@ -228,13 +257,14 @@ def test_int4_activation_mode_picks_the_layout():
 
     pw, _ = _case("int4", 576, 48, False, 64)
     f32, bf16 = torch.float32, torch.bfloat16
-    # Default: float activations; bf16 and fp32 take the panels where the build has them.
+    # Default: float activations; bf16 and fp32 take the panels where the build has them (AVX512-BF16), else the
+    # portable panels (48 rows: a multiple of every build's width but AVX-512's 32, which has the panels16).
     panels = cpp_supported(pw) and torch.ops.pagoda.quant_panels_supported(576, 64)
-    want = "panels16" if panels else "rows"
+    want = "panels16" if panels else "vpanels" if cpp_supported(pw) else "rows"
     for dtype in (f32, bf16):
         assert (kernel_layout(pw, dtype).format, kernel_layout(pw, dtype).layout) == ("int4", want)
     odd_rows, _ = _case("int4", 576, 41, False, 64)
-    assert kernel_layout(odd_rows, bf16) is odd_rows and kernel_layout(odd_rows, f32) is odd_rows  # 16 columns
+    assert kernel_layout(odd_rows, bf16) is odd_rows and kernel_layout(odd_rows, f32) is odd_rows  # panel columns
     q8, _ = _case("int8", 576, 48, False)  # INT8 (the INT4 methods' LM head) takes the panels too
     f8, _ = _case("fp8", 576, 48, False)
     for dtype in (f32, bf16):

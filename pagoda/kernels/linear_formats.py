@@ -11,8 +11,9 @@ _HEADER = Path(__file__).parent / "cpu" / "linear_formats.h"
 QuantFormat = Literal["int4", "int8", "fp8"]  # what one code is (PackedWeight.format)
 # How the codes are laid out (PackedWeight.layout): rows as stored; INT4 in blocks of 8 interleaved rows for the
 # INT8-activation VNNI kernel; INT4 rows as stored for the INT8-activation AVX2 kernel (rows_a8: the same bytes, read
-# by another kernel); panels of 16 output columns for the bf16 panel kernel.
-Layout = Literal["rows", "interleave8", "rows_a8", "panels16"]
+# by another kernel); panels of 16 output columns for the bf16 panel kernel; panels of the build's 2W columns for the
+# portable panel kernel (vpanels).
+Layout = Literal["rows", "interleave8", "rows_a8", "panels16", "vpanels"]
 
 
 def _read(header: Path) -> dict[str, int]:
@@ -33,6 +34,10 @@ QUANT_CODES: dict[tuple[QuantFormat, Layout], int] = {
     ("int4", "panels16"): LINEAR_FORMATS["int4p"],
     ("int8", "panels16"): LINEAR_FORMATS["int8p"],
     ("fp8", "panels16"): LINEAR_FORMATS["fp8p"],
+    ("int4", "vpanels"): LINEAR_FORMATS["int4v"],
+    ("int8", "vpanels"): LINEAR_FORMATS["int8v"],
+    ("fp8", "vpanels"): LINEAR_FORMATS["fp8v"],
 }
 # quant_panel_linear's `kind` is a panel code minus this one (as decoder_stack.cpp computes it).
 FIRST_PANEL_CODE = LINEAR_FORMATS["int4p"]
+FIRST_VPANEL_CODE = LINEAR_FORMATS["int4v"]  # and quant_vpanel_linear's

@@ -25,10 +25,15 @@ import torch
 
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.linear import PANEL, dense_linear
-from pagoda.kernels.linear_formats import FIRST_PANEL_CODE, QUANT_CODES, Layout, QuantFormat
+from pagoda.kernels.linear_formats import FIRST_PANEL_CODE, FIRST_VPANEL_CODE, QUANT_CODES, Layout, QuantFormat
 
 # Output rows per row of `data`, by layout.
 _ROWS_PER_DATA_ROW: dict[Layout, int] = {"rows": 1, "interleave8": 8, "rows_a8": 1, "panels16": PANEL}
+
+
+def vpanel_width() -> int:
+    """Output columns per portable panel (2W: the loaded build's vector lanes, cpu/simd.h)."""
+    return torch.ops.pagoda.vpanel_width()
 
 
 @dataclass
@@ -54,6 +59,8 @@ class PackedWeight:
 
     @property
     def out_features(self) -> int:
+        if self.layout == "vpanels":  # [N / P, K, P] (INT4: P / 2 bytes of two codes)
+            return self.data.shape[0] * self.data.shape[2] * (2 if self.format == "int4" else 1)
         return self.data.shape[0] * _ROWS_PER_DATA_ROW[self.layout]
 
     @property
@@ -84,6 +91,22 @@ class PackedWeight:
         self._require_row_major("rows_a8", "int4", "K and groups of a multiple of 32",
                                 self.in_features % 32 == 0 and self.group_size % 32 == 0)
         return PackedWeight("int4", self.data, self.scales, self.offsets, self.group_size, self.in_features, "rows_a8")
+
+    def vpanels(self, width: int) -> PackedWeight:
+        """Layout vpanels, the portable panel kernel's (cpu/quant_vpanel_linear.cpp), in panels of `width` output
+        columns (vpanel_width(): the build's 2W): codes [N / P, K, P] in k order (INT4: [N / P, K, P / 2], byte j
+        holding column j in its low nibble and column j + P / 2 in its high one); scales and offsets [N / P, G, P]."""
+        self._require_row_major("vpanels", self.format, f"rows % {width} == 0 (FP8: per-channel scales)",
+                                self.out_features % width == 0 and (self.format != "fp8" or self.offsets is None))
+        n, k, half = self.out_features, self.in_features, width // 2
+        if self.format == "int4":
+            q = self.codes().to(torch.uint8).view(n // width, width, k).transpose(1, 2)  # [P', K, width]
+            data = q[..., :half] | (q[..., half:] << 4)
+        else:
+            data = self.data.view(n // width, width, k).transpose(1, 2)
+        return PackedWeight(self.format, data.contiguous(), _panels_of(self.scales, width),
+                            None if self.offsets is None else _panels_of(self.offsets, width), self.group_size, k,
+                            "vpanels")
 
     def panels16(self) -> PackedWeight:
         """Layout panels16, the bf16 panel kernel's (cpu/quant_panel_linear.cpp), whatever the format."""
@@ -127,6 +150,8 @@ class PackedWeight:
             return self
         if self.layout == "rows_a8":
             return PackedWeight("int4", self.data, self.scales, self.offsets, self.group_size, self.in_features)
+        if self.layout == "vpanels":
+            return self._vpanel_rows(torch.arange(self.out_features))
         n, k = self.out_features, self.in_features
         if self.layout == "interleave8":
             data = self.data.view(n // 8, k // 64, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(n, k // 2)
@@ -160,6 +185,8 @@ class PackedWeight:
         a QuantEmbedding gathers), row-major."""
         if self.layout == "panels16":  # gathered in place
             return self._panel_rows(index)
+        if self.layout == "vpanels":
+            return self._vpanel_rows(index)
         if self.layout != "rows":
             return self.row_major().rows(index)
         return PackedWeight(self.format, self.data[index].contiguous(), self.scales[index].contiguous(),
@@ -186,6 +213,21 @@ class PackedWeight:
             q = q.view(torch.int8)
         return PackedWeight(self.format, q.contiguous(), scales, offsets, self.group_size, k)
 
+    def _vpanel_rows(self, index: torch.Tensor) -> PackedWeight:
+        """rows() of a vpanels weight, gathered in place (a tied LM head's table serves the embedding's lookups)."""
+        width = self.scales.shape[2]
+        p, c = index // width, index % width
+        scales = self.scales[p, :, c].contiguous()
+        offsets = None if self.offsets is None else self.offsets[p, :, c].contiguous()
+        if self.format == "int4":
+            half = width // 2
+            byte = self.data[p, :, c % half]                                    # [R, K]
+            q = (byte >> (4 * (c // half)).to(torch.uint8).unsqueeze(1)) & 0xF
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        else:
+            q = self.data[p, :, c]
+        return PackedWeight(self.format, q.contiguous(), scales, offsets, self.group_size, self.in_features)
+
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
         """Stack along output rows (fused q|k|v and gate|up), row-major; all parts share format and groups."""
@@ -206,9 +248,9 @@ def _blocks_of_8(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0] // 8, 8, -1).transpose(1, 2).contiguous()
 
 
-def _panels_of(t: torch.Tensor) -> torch.Tensor:
-    """[N, G] -> [N / 16, G, 16]: one group's scales of a panel's 16 columns are one vector."""
-    return t.view(t.shape[0] // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+def _panels_of(t: torch.Tensor, width: int = PANEL) -> torch.Tensor:
+    """[N, G] -> [N / width, G, width]: one group's scales of a panel's columns are one or two vectors."""
+    return t.view(t.shape[0] // width, width, -1).transpose(1, 2).contiguous()
 
 
 def _byte_panels(data: torch.Tensor) -> torch.Tensor:
@@ -269,6 +311,10 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
             and (pw.format != "fp8" or pw.offsets is None) \
             and torch.ops.pagoda.quant_panels_supported(pw.in_features, pw.group_size):
         return pw.panels16()
+    if act_dtype in (torch.bfloat16, torch.float32) and pw.out_features % vpanel_width() == 0 \
+            and (pw.format != "fp8" or pw.offsets is None) \
+            and torch.ops.pagoda.quant_vpanels_supported(pw.in_features, pw.group_size):
+        return pw.vpanels(vpanel_width())
     return pw
 
 
@@ -278,6 +324,9 @@ def cpp_supported(pw: PackedWeight) -> bool:
         return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_panels_supported(k, g)
     if pw.layout == "rows_a8":
         return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.int4a8_supported(k, g)
+    if pw.layout == "vpanels":
+        return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_vpanels_supported(k, g) \
+            and pw.scales.shape[2] == vpanel_width()
     return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_linear_supported(k, g)
 
 
@@ -291,6 +340,9 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
     if use_cpp and x.shape[0] > 0 and x.device.type == "cpu":
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
         b = None if bias is None else bias.float().contiguous()
+        if pw.layout == "vpanels":
+            return torch.ops.pagoda.quant_vpanel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets, b,
+                                                        pw.group_size, pw.code - FIRST_VPANEL_CODE)
         if pw.layout != "panels16":
             return torch.ops.pagoda.quant_linear(x.contiguous(), pw.data, pw.scales, pw.offsets, b, pw.code,
                                                  pw.group_size)
@@ -303,7 +355,8 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
 def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, use_cpp: bool = False) -> torch.Tensor:
     """Dequantize to x's dtype (the C++ kernel where `use_cpp` and the build has it, else PackedWeight.dequantize,
     the reference) and multiply: the torch fallback."""
-    if use_cpp and pw.layout != "panels16" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    if use_cpp and pw.layout not in ("panels16", "vpanels") and x.device.type == "cpu" \
+            and x.dtype in (torch.float32, torch.bfloat16):
         w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, pw.code, pw.group_size,
                                               pw.in_features, x.dtype)
     else:

@@ -1,7 +1,8 @@
 // The formats of a linear layer's weight as the kernels take them: ONE table for C++ and Python
 // (pagoda/kernels/linear_formats.py reads this enum at import, so a new format is added here only).
 // format_linear (linear_formats.cpp) dispatches on it for the decoder stack and the MoE experts;
-// quant_linear.cpp takes kInt4..kInt4a8; quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p).
+// quant_linear.cpp takes kInt4..kInt4a8; quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p),
+// quant_vpanel_linear.cpp kInt4v..kFp8v (format - kInt4v).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,9 @@ enum LinearFormat : int64_t {
   kInt4p = 5,    // INT4 in panels of 16 output columns
   kInt8p = 6,    // INT8 in panels, one byte a code
   kFp8p = 7,     // FP8 in panels
+  kInt4v = 8,    // INT4 in portable panels of 2W columns (simd.h's W: the build's vector width)
+  kInt8v = 9,    // INT8 in portable panels
+  kFp8v = 10,    // FP8 in portable panels
 };
 
 }  // namespace pagoda_cpu

@@ -44,6 +44,11 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
                               const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                               int64_t group_size, int64_t kind);
 
+// kind: 0 INT4, 1 INT8, 2 FP8 e4m3, in panels of 2W columns (quant_vpanel_linear.cpp: the portable builds)
+at::Tensor quant_vpanel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                               int64_t group_size, int64_t kind);
+
 // One linear whose weight is held in format `fmt` (linear_formats.h: kDense the weight, kPanels its panels, else the
 // codes with their scales and offsets), through that format's few-row kernel (linear_formats.cpp).
 at::Tensor format_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,

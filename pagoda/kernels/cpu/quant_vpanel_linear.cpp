@@ -1,0 +1,270 @@
+// y = x @ dequant(w)^T (+ bias) for quantized weights in portable panels: the builds without the AVX512-BF16 panel
+// kernel (quant_panel_linear.cpp) run this one at every row count (avx2, Arm), written once in simd.h's vectors.
+//
+// Layout (PackedWeight.vpanels, kernels/quant_linear.py), per panel of P = 2W output columns (W: simd.h's lanes):
+//   int4 (kind 0): codes uint8 [N / P, K, W]: byte j of column k holds column j (low nibble) and column j + W (high)
+//   int8 (kind 1): codes int8 [N / P, K, P];  fp8 (kind 2): e4m3 bytes [N / P, K, P] (per-channel scales)
+//   scales, offsets: fp32 [N / P, G, P] (w = code * s + o)
+// Every output column owns a lane: per k a panel's codes become two fp32 vectors, one FMA each makes them weights
+// (code * s + o), and each activation row's x[k], broadcast, is FMA'd into one chain per (row, vector) in k order.
+// No horizontal sums, no per-row scale work. That chain is the sum's one order whatever the row count (batch
+// invariance): up to four rows the weights are decoded in registers as they stream (two panels at a time at one row);
+// more rows dequantize each panel once into an fp32 tile [K][P] that stays in L1/L2 and run every pass over it
+// (the same values, loaded instead of decoded), six rows at a time: 12 accumulators, two weight vectors and a
+// broadcast in AVX2's 16 registers, the outer-product tile a GEMM runs.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "linear_formats.h"
+#include "ops.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using pagoda_simd::vf;
+using pagoda_simd::vfma;
+using pagoda_simd::vi;
+using pagoda_simd::vload;
+using pagoda_simd::vload_widen;
+using pagoda_simd::vsplat;
+using pagoda_simd::vstore;
+using pagoda_simd::vu;
+using pagoda_simd::W;
+
+constexpr int P = 2 * W;            // output columns per panel
+constexpr int kRowsPerPass = 6;     // activation rows per pass over a tile
+constexpr int kStreamRows = 4;      // up to this many rows the weights are decoded as they stream
+enum Kind : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
+
+// Column k's codes of one panel as fp32: lo = columns [0, W), hi = [W, 2W).
+template <int F>
+inline void decode(const uint8_t* col, vf& lo, vf& hi) {
+  if constexpr (F == kInt4) {
+    const vi v = vload_widen<false>(col);
+    lo = __builtin_convertvector(v & 0xF, vf);
+    hi = __builtin_convertvector(v >> 4, vf);
+  } else if constexpr (F == kInt8) {
+    lo = __builtin_convertvector(vload_widen<true>(col), vf);
+    hi = __builtin_convertvector(vload_widen<true>(col + W), vf);
+  } else {
+    // e4m3fn -> fp32: magnitude bits shifted into an fp32 exponent/mantissa give value * 2^-120 (subnormals
+    // included); one multiply restores the scale.
+    auto one = [](const uint8_t* p) {
+      const vu v = (vu)vload_widen<false>(p);
+      const vf mag = (vf)((v & 0x7F) << 20) * 1.329228e36f;  // 2^120
+      return (vf)((vu)mag | ((v & 0x80) << 24));
+    };
+    lo = one(col);
+    hi = one(col + W);
+  }
+}
+
+constexpr int64_t bytes_per_k(int F) { return F == kInt4 ? W : P; }
+
+// A panel's weights at column k: decoded from the codes and scaled in registers (w = code * s + o, one rounding),
+// or the same values loaded from the panel's dequantized tile.
+template <int F>
+struct Codes {
+  const uint8_t* w;
+  const float* scales;
+  const float* offsets;  // or null
+  int64_t K, G, gs;
+
+  struct Group {
+    vf s0, s1, o0, o1;
+  };
+  inline Group group(int64_t p, int64_t g) const {
+    const float* s = scales + (p * G + g) * P;
+    Group r{vload(s), vload(s + W), vf{}, vf{}};
+    if (offsets) {
+      r.o0 = vload(offsets + (p * G + g) * P);
+      r.o1 = vload(offsets + (p * G + g) * P + W);
+    }
+    return r;
+  }
+  inline void load(int64_t p, int64_t k, const Group& grp, vf& lo, vf& hi) const {
+    decode<F>(w + (p * K + k) * bytes_per_k(F), lo, hi);
+    lo = vfma(lo, grp.s0, grp.o0);
+    hi = vfma(hi, grp.s1, grp.o1);
+  }
+};
+
+// y[m, p * P + c] for rows [0, M) and panels [p0, p1), R panels at a time, decoding as the codes stream.
+template <int F, int M, int R, typename O>
+void stream(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t K = src.K, gs = src.gs;
+  int64_t p = p0;
+  for (; p + R <= p1; p += R) {
+    vf acc[R][M][2];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = vf{};
+    for (int64_t g = 0; g < K / gs; ++g) {
+      typename Codes<F>::Group grp[R];
+      for (int r = 0; r < R; ++r) grp[r] = src.group(p + r, g);
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+        vf lo[R], hi[R];
+        for (int r = 0; r < R; ++r) {
+          __builtin_prefetch(src.w + ((p + r) * K + k + 64) * bytes_per_k(F), 0, 3);
+          src.load(p + r, k, grp[r], lo[r], hi[r]);
+        }
+        for (int m = 0; m < M; ++m) {
+          const vf xv = vsplat(x[m * K + k]);
+          for (int r = 0; r < R; ++r) {
+            acc[r][m][0] = vfma(lo[r], xv, acc[r][m][0]);
+            acc[r][m][1] = vfma(hi[r], xv, acc[r][m][1]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) {
+        float out[P];
+        vstore(out, acc[r][m][0]);
+        vstore(out + W, acc[r][m][1]);
+        O* yr = y + m * ldy + (p + r) * P;
+        for (int c = 0; c < P; ++c) yr[c] = static_cast<O>(out[c] + (bias ? bias[(p + r) * P + c] : 0.f));
+      }
+  }
+  if constexpr (R > 1) {
+    if (p < p1) stream<F, M, 1>(src, x, bias, y, ldy, p, p1);
+  }
+}
+
+// The same sums over one panel's dequantized tile [K][P], M rows at a time.
+template <int M, typename O>
+void tile_rows(const float* tile, const float* x, int64_t K, const float* bias, O* y, int64_t ldy, int64_t p) {
+  vf acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const vf lo = vload(tile + k * P), hi = vload(tile + k * P + W);
+    for (int m = 0; m < M; ++m) {
+      const vf xv = vsplat(x[m * K + k]);
+      acc[m][0] = vfma(lo, xv, acc[m][0]);
+      acc[m][1] = vfma(hi, xv, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float out[P];
+    vstore(out, acc[m][0]);
+    vstore(out + W, acc[m][1]);
+    O* yr = y + m * ldy + p * P;
+    for (int c = 0; c < P; ++c) yr[c] = static_cast<O>(out[c] + (bias ? bias[p * P + c] : 0.f));
+  }
+}
+
+template <typename Fn>
+inline void dispatch_pass(int64_t m, Fn&& fn) {
+  switch (m) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    default: fn(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+template <int F, typename O>
+void run(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
+  const int64_t panels = N / P, K = src.K;
+  if (M <= kStreamRows) {
+    at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
+      switch (M) {
+        case 1: stream<F, 1, 2>(src, x, bias, y, N, p0, p1); break;
+        case 2: stream<F, 2, 1>(src, x, bias, y, N, p0, p1); break;
+        case 3: stream<F, 3, 1>(src, x, bias, y, N, p0, p1); break;
+        default: stream<F, 4, 1>(src, x, bias, y, N, p0, p1); break;
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> tile(K * P);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t g = 0; g < K / src.gs; ++g) {
+        const auto grp = src.group(p, g);
+        for (int64_t k = g * src.gs; k < (g + 1) * src.gs; ++k) {
+          vf lo, hi;
+          src.load(p, k, grp, lo, hi);
+          vstore(tile.data() + k * P, lo);
+          vstore(tile.data() + k * P + W, hi);
+        }
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
+        dispatch_pass(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto c) {
+          tile_rows<decltype(c)::value>(tile.data(), x + m0 * K, K, bias, y + m0 * N, N, p);
+        });
+    }
+  });
+}
+
+int64_t vpanel_width() { return P; }
+
+bool quant_vpanels_supported(int64_t K, int64_t group_size) {
+  return group_size > 0 && K % group_size == 0;
+}
+
+}  // namespace
+
+namespace pagoda_cpu {
+
+// x: [M, K] fp32 or bf16 (widened); y: [M, N] in x's dtype, fp32 sums. kind: 0 INT4, 1 INT8, 2 FP8 (the layout above).
+at::Tensor quant_vpanel_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                               int64_t group_size, int64_t kind) {
+  TORCH_CHECK(x_in.dim() == 2 && codes.dim() == 3 && codes.is_contiguous(), "quant_vpanel_linear: x [M, K], codes "
+              "[N / P, K, bytes]");
+  TORCH_CHECK(kind >= kInt4 && kind <= kFp8, "quant_vpanel_linear: unknown kind ", kind);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "quant_vpanel_linear: x must be float32 or bfloat16");
+  const int64_t M = x_in.size(0), K = x_in.size(1), panels = codes.size(0), N = panels * P;
+  TORCH_CHECK(codes.size(1) == K && codes.size(2) == (kind == kInt4 ? W : P), "quant_vpanel_linear: codes must be [",
+              panels, ", ", K, ", ", kind == kInt4 ? W : P, "] for panels of ", P, " columns");
+  TORCH_CHECK(quant_vpanels_supported(K, group_size), "quant_vpanel_linear: K ", K, " / group ", group_size);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
+              "quant_vpanel_linear: scales fp32 [N / P, G, P]");
+  if (offsets.has_value())
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->numel() == N * G,
+                "quant_vpanel_linear: offsets fp32 [N / P, G, P]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "quant_vpanel_linear: bias fp32 [N]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x_in.options());
+  const auto* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto go = [&](auto f, auto* yp) {
+    constexpr int F = decltype(f)::value;
+    run<F>(Codes<F>{wp, scales.data_ptr<float>(), op, K, G, group_size}, x.data_ptr<float>(), bp, yp, M, N);
+  };
+  auto go_kind = [&](auto* yp) {
+    if (kind == kInt4) go(std::integral_constant<int, kInt4>{}, yp);
+    else if (kind == kInt8) go(std::integral_constant<int, kInt8>{}, yp);
+    else go(std::integral_constant<int, kFp8>{}, yp);
+  };
+  if (x_in.scalar_type() == at::kFloat) go_kind(y.data_ptr<float>());
+  else go_kind(y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
+}  // namespace pagoda_cpu
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("quant_vpanel_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
+        "int kind=0) -> Tensor");
+  m.def("quant_vpanels_supported(int K, int group_size) -> bool", &quant_vpanels_supported);  // no tensors
+  m.def("vpanel_width() -> int", &vpanel_width);
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("quant_vpanel_linear", &pagoda_cpu::quant_vpanel_linear); }
