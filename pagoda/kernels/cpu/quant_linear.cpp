@@ -30,6 +30,7 @@
 #include "dispatch_rows.h"
 #include "linear_formats.h"
 #include "ops.h"
+#include "quant_decode.h"
 #include "simd.h"
 #include "vec_bf16.h"
 
@@ -58,12 +59,9 @@ using pagoda_cpu::kInt8;
 using pagoda_simd::hsum;
 using pagoda_simd::vf;
 using pagoda_simd::vfma;
-using pagoda_simd::vi;
 using pagoda_simd::vload;
-using pagoda_simd::vload_widen;
 using pagoda_simd::vsplat;
 using pagoda_simd::vstore;
-using pagoda_simd::vu;
 using pagoda_simd::W;
 
 // Activation rows that share one decode of the weights: two chains per row plus the two weight vectors and an
@@ -75,24 +73,7 @@ constexpr int64_t kTileRows = 16;  // weight rows per dequantized tile (16 x K f
 // even columns in a and the odd ones in b (low and high nibbles): x is prepared to match (split_even_odd).
 template <int F>
 inline void decode(const uint8_t* row, int64_t k, vf& a, vf& b) {
-  if constexpr (F == kInt4) {
-    const vi v = vload_widen<false>(row + k / 2);
-    a = __builtin_convertvector(v & 0xF, vf);
-    b = __builtin_convertvector(v >> 4, vf);
-  } else if constexpr (F == kInt8) {
-    a = __builtin_convertvector(vload_widen<true>(row + k), vf);
-    b = __builtin_convertvector(vload_widen<true>(row + k + W), vf);
-  } else {
-    // e4m3fn -> fp32: magnitude bits shifted into an fp32 exponent/mantissa give value * 2^-120
-    // (subnormals included, as fp32 denormals); one multiply restores the scale.
-    auto one = [](const uint8_t* p) {
-      const vu v = (vu)vload_widen<false>(p);
-      const vf mag = (vf)((v & 0x7F) << 20) * 1.329228e36f;  // 2^120
-      return (vf)((vu)mag | ((v & 0x80) << 24));
-    };
-    a = one(row + k);
-    b = one(row + k + W);
-  }
+  pagoda_simd::decode_codes<F>(row + (F == kInt4 ? k / 2 : k), a, b);
 }
 
 // Where `rows` gets a weight row's 2W weights at column k (group g), as fp32: decoded from the packed codes and

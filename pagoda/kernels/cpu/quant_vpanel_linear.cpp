@@ -19,8 +19,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "dispatch_rows.h"
 #include "linear_formats.h"
 #include "ops.h"
+#include "quant_decode.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -32,41 +34,18 @@ namespace {
 
 using pagoda_simd::vf;
 using pagoda_simd::vfma;
-using pagoda_simd::vi;
 using pagoda_simd::vload;
-using pagoda_simd::vload_widen;
 using pagoda_simd::vsplat;
 using pagoda_simd::vstore;
-using pagoda_simd::vu;
 using pagoda_simd::W;
 
 constexpr int P = 2 * W;            // output columns per panel
 constexpr int kRowsPerPass = 6;     // activation rows per pass over a tile
 constexpr int kStreamRows = 4;      // up to this many rows the weights are decoded as they stream
-enum Kind : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
-
-// Column k's codes of one panel as fp32: lo = columns [0, W), hi = [W, 2W).
-template <int F>
-inline void decode(const uint8_t* col, vf& lo, vf& hi) {
-  if constexpr (F == kInt4) {
-    const vi v = vload_widen<false>(col);
-    lo = __builtin_convertvector(v & 0xF, vf);
-    hi = __builtin_convertvector(v >> 4, vf);
-  } else if constexpr (F == kInt8) {
-    lo = __builtin_convertvector(vload_widen<true>(col), vf);
-    hi = __builtin_convertvector(vload_widen<true>(col + W), vf);
-  } else {
-    // e4m3fn -> fp32: magnitude bits shifted into an fp32 exponent/mantissa give value * 2^-120 (subnormals
-    // included); one multiply restores the scale.
-    auto one = [](const uint8_t* p) {
-      const vu v = (vu)vload_widen<false>(p);
-      const vf mag = (vf)((v & 0x7F) << 20) * 1.329228e36f;  // 2^120
-      return (vf)((vu)mag | ((v & 0x80) << 24));
-    };
-    lo = one(col);
-    hi = one(col + W);
-  }
-}
+// kind = the format's storage (LinearFormat kInt4, kInt8, kFp8: 0, 1, 2), what decode_codes takes
+using pagoda_cpu::kFp8;
+using pagoda_cpu::kInt4;
+using pagoda_cpu::kInt8;
 
 constexpr int64_t bytes_per_k(int F) { return F == kInt4 ? W : P; }
 
@@ -92,7 +71,7 @@ struct Codes {
     return r;
   }
   inline void load(int64_t p, int64_t k, const Group& grp, vf& lo, vf& hi) const {
-    decode<F>(w + (p * K + k) * bytes_per_k(F), lo, hi);
+    pagoda_simd::decode_codes<F>(w + (p * K + k) * bytes_per_k(F), lo, hi);  // lo: columns [0, W), hi: [W, 2W)
     lo = vfma(lo, grp.s0, grp.o0);
     hi = vfma(hi, grp.s1, grp.o1);
   }
@@ -161,18 +140,6 @@ void tile_rows(const float* tile, const float* x, int64_t K, const float* bias, 
   }
 }
 
-template <typename Fn>
-inline void dispatch_pass(int64_t m, Fn&& fn) {
-  switch (m) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    default: fn(std::integral_constant<int, 6>{}); break;
-  }
-}
-
 template <int F, typename O>
 void run(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
   const int64_t panels = N / P, K = src.K;
@@ -200,7 +167,7 @@ void run(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t M
         }
       }
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
-        dispatch_pass(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto c) {
+        dispatch_m(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto c) {  // 1..6 rows
           tile_rows<decltype(c)::value>(tile.data(), x + m0 * K, K, bias, y + m0 * N, N, p);
         });
     }

@@ -1,0 +1,37 @@
+// 2W quantized codes as two fp32 vectors (simd.h's W lanes each), shared by the portable quantized kernels: the
+// row-major one (quant_linear.cpp) and the panel one (quant_vpanel_linear.cpp). F is a LinearFormat's storage:
+// kInt4: W bytes, low nibbles into a and high nibbles into b (the layout decides which columns those are);
+// kInt8: 2W signed bytes; kFp8: 2W e4m3fn bytes.
+#pragma once
+
+#include <cstdint>
+
+#include "linear_formats.h"
+#include "simd.h"
+
+namespace pagoda_simd {
+
+template <int F>
+inline void decode_codes(const uint8_t* p, vf& a, vf& b) {
+  if constexpr (F == pagoda_cpu::kInt4) {
+    const vi v = vload_widen<false>(p);
+    a = __builtin_convertvector(v & 0xF, vf);
+    b = __builtin_convertvector(v >> 4, vf);
+  } else if constexpr (F == pagoda_cpu::kInt8) {
+    a = __builtin_convertvector(vload_widen<true>(p), vf);
+    b = __builtin_convertvector(vload_widen<true>(p + W), vf);
+  } else {
+    static_assert(F == pagoda_cpu::kFp8, "decode_codes: kInt4, kInt8 or kFp8");
+    // e4m3fn -> fp32: magnitude bits shifted into an fp32 exponent/mantissa give value * 2^-120 (subnormals
+    // included, as fp32 denormals); one multiply restores the scale.
+    auto one = [](const uint8_t* q) {
+      const vu v = (vu)vload_widen<false>(q);
+      const vf mag = (vf)((v & 0x7F) << 20) * 1.329228e36f;  // 2^120
+      return (vf)((vu)mag | ((v & 0x80) << 24));
+    };
+    a = one(p);
+    b = one(p + W);
+  }
+}
+
+}  // namespace pagoda_simd
