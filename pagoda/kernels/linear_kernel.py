@@ -5,9 +5,9 @@ A record holds everything the choice decided: the weight in the chosen kernel's 
 decoder stack may run with it. `Linear.forward` calls the record and `Linear.stack_args` reads it, so no
 caller branches on formats again.
 
-Where two kernels can serve a layer at every row count (dense: panels or oneDNN; quantized: panels16 or the
-row-major kernel) and the policy carries a tuner (config kernel_tuning="auto"), the tuner picks between them per
-shape (kernels/tuning.py); without one, the built-in order stands (the first candidate).
+Where several kernels can serve a layer at every row count (dense: panels or oneDNN; quantized: panels16 or
+vpanels, and the row-major kernel) and the policy carries a tuner (config kernel_tuning="auto"), the tuner picks
+among them per shape (kernels/tuning.py); without one, the built-in order stands (the first candidate).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pagoda.kernels.decoder_stack import LinearArgs
 from pagoda.kernels.linear import ANY_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
 from pagoda.kernels.linear_formats import DENSE, PANELS
 from pagoda.kernels.policy import KernelPolicy
-from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, kernel_layout, quant_linear
+from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, kernel_layout, quant_linear, vpanel_width
 from pagoda.kernels.tuning import KernelTuner, TuningEntry, TuningShape
 
 
@@ -68,14 +68,19 @@ def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | No
     if qweight is not None:
         pw = kernel_layout(qweight, act_dtype, policy.int4_activations) if policy.cpp else qweight
         cpp = policy.cpp and cpp_supported(pw)
-        if policy.tuner is not None and cpp and pw.layout == "panels16" \
+        if policy.tuner is not None and cpp and pw.layout in ("panels16", "vpanels") \
                 and torch.ops.pagoda.quant_linear_supported(pw.in_features, pw.group_size):  # the row-major kernel's
             fmt = pw.format + ("+off" if pw.offsets is not None else "")
             shape = TuningShape(fmt, pw.out_features, pw.in_features, pw.group_size, act_dtype)
-            row_major = qweight if qweight.layout == "rows" else None
-            return _tuned(policy.tuner, shape, {
-                "panels16": functools.partial(_quantized, pw, bias),
-                "rows": lambda: _quantized(row_major if row_major is not None else pw.row_major(), bias)})
+            # built only for a candidate that is measured or chosen (a cached choice builds that one alone)
+            row_major = functools.cache(lambda: qweight if qweight.layout == "rows" else pw.row_major())
+            candidates = {pw.layout: functools.partial(_quantized, pw, bias)}
+            width = vpanel_width()
+            if pw.layout == "panels16" and pw.out_features % width == 0 \
+                    and (pw.format != "fp8" or pw.offsets is None):  # the portable panels serve it too
+                candidates["vpanels"] = lambda: _quantized(row_major().vpanels(width), bias)
+            candidates["rows"] = lambda: _quantized(row_major(), bias)
+            return _tuned(policy.tuner, shape, candidates)
         return LinearKernel(pw.code, None, pw, bias, cpp, stack_rows=ANY_M if cpp else 0)
     assert weight is not None
     if not policy.cpp:
