@@ -6,8 +6,9 @@
 //   int4: codes 0..15 packed two per byte [N, K/2], low nibble = even k (pagoda int4_format)
 //   int8: int8 codes [N, K] (per-channel: group = K; GGUF Q8_0: group = 32)
 //   fp8:  float8 e4m3fn bytes [N, K], per-channel scale
-//   int4x8: int4 codes in blocks of 8 rows [N/8, 4K], scales/offsets [N/8, G, 8] (blocks_int4x8_i8); the
-//           one format that quantizes activations (to int8 per 32 columns), chosen by the user
+//   int4x8: int4 codes in blocks of 8 rows [N/8, 4K], scales/offsets [N/8, G, 8] (blocks_int4x8_i8, VNNI)
+//   int4a8: int4 codes as int4 (rows_int4_a8, AVX2)
+//   the two formats that quantize activations (to int8 per 32 columns), chosen by the user
 //
 // The row-major kernel (`rows`) is portable vector code (simd.h): the same source is the AVX-512, AVX2 and NEON
 // build. Per 2W columns of a weight row it decodes the codes into two fp32 vectors, makes them weights with one
@@ -17,8 +18,9 @@
 // together, and whether a block of weight rows is dequantized once into a tile that stays in cache (more rows
 // than one pass takes: the same weights, loaded instead of decoded again).
 // ISA-specific kernels where they measurably pay: INT4 with bf16 activations on AVX512-BF16 (rows_int4_bf16),
-// INT4 with INT8 activations on AVX512-VNNI (blocks_int4x8_i8). With bf16 or fp32 activations on AVX512-BF16 the
-// panel kernel (quant_panel_linear.cpp) takes every shape it can; these take the rest.
+// INT4 with INT8 activations on AVX512-VNNI (blocks_int4x8_i8) and on AVX2 (rows_int4_a8). With bf16 or fp32
+// activations the panel kernels (quant_panel_linear.cpp with AVX512-BF16, else the portable
+// quant_vpanel_linear.cpp) take every shape they can; these take the rest.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
