@@ -1,0 +1,117 @@
+// The ISA-specific steps of the portable kernels (kernels/cpu/simd.h, quant_decode.h) against their definition,
+// lane by lane, bit for bit: tests/test_kernels_arm.py builds this for x86 (AVX2, AVX-512) and runs it, and builds it
+// for aarch64 (NEON) and runs it under qemu. The quantized kernels are chains of exactly these steps (decode the
+// codes, one FMA into a weight, FMA chains, one horizontal-sum tree), so every build computes what the x86 kernel
+// tests check. Prints one line per check and exits 1 on the first lane that differs.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "quant_decode.h"
+#include "simd.h"
+
+using namespace pagoda_simd;
+
+namespace {
+
+int failures = 0;
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+void expect(const char* what, const float* got, const float* want, int n) {
+  for (int i = 0; i < n; ++i)
+    if (bits(got[i]) != bits(want[i])) {
+      std::printf("FAIL %s lane %d: %.9g (%08x), want %.9g (%08x)\n", what, i, got[i], bits(got[i]), want[i],
+                  bits(want[i]));
+      ++failures;
+      return;
+    }
+  std::printf("ok %s\n", what);
+}
+
+// e4m3fn's value by its definition (codes 0x7F and 0xFF, NaN, are not used below).
+float e4m3(uint8_t c) {
+  const int e = (c >> 3) & 0xF, m = c & 7;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  return c & 0x80 ? -mag : mag;
+}
+
+float tree(const float* v) {  // hsum's order: the upper half of the lanes onto the lower, halving
+  float a[W];
+  std::memcpy(a, v, sizeof(a));
+  for (int w = W / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
+template <int F>
+void check_format(const char* name, const uint8_t* codes, const float* x) {
+  const int64_t step = F == pagoda_cpu::kInt4 ? W : 2 * W;  // code bytes per 2W weights
+  const float s = 0.0123f, o = -0.0456f;
+  vf acc = vf{};
+  float acc_ref[W] = {};
+  for (int64_t j = 0; j < 4; ++j) {
+    const uint8_t* p = codes + j * step;
+    vf a, b;
+    decode_codes<F>(p, a, b);
+    float got[2 * W], want[2 * W];
+    vstore(got, a);
+    vstore(got + W, b);
+    for (int i = 0; i < W; ++i) {
+      if constexpr (F == pagoda_cpu::kInt4) {
+        want[i] = static_cast<float>(p[i] & 0xF);
+        want[W + i] = static_cast<float>(p[i] >> 4);
+      } else if constexpr (F == pagoda_cpu::kInt8) {
+        want[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+        want[W + i] = static_cast<float>(static_cast<int8_t>(p[W + i]));
+      } else {
+        want[i] = e4m3(p[i]);
+        want[W + i] = e4m3(p[W + i]);
+      }
+    }
+    char what[64];
+    std::snprintf(what, sizeof(what), "%s decode step %lld", name, static_cast<long long>(j));
+    expect(what, got, want, 2 * W);
+    // the kernels' chain: w = code * s + o, then acc = b * xb + (a * xa + acc), each FMA rounded once
+    a = vfma(a, vsplat(s), vsplat(o));
+    b = vfma(b, vsplat(s), vsplat(o));
+    acc = vfma(b, vload(x + j * 2 * W + W), vfma(a, vload(x + j * 2 * W), acc));
+    for (int i = 0; i < W; ++i) {
+      const float wa = std::fma(want[i], s, o), wb = std::fma(want[W + i], s, o);
+      acc_ref[i] = std::fma(wb, x[j * 2 * W + W + i], std::fma(wa, x[j * 2 * W + i], acc_ref[i]));
+    }
+  }
+  float got[W];
+  vstore(got, acc);
+  char what[64];
+  std::snprintf(what, sizeof(what), "%s fma chain", name);
+  expect(what, got, acc_ref, W);
+  const float sum = hsum(acc), sum_ref = tree(acc_ref);
+  std::snprintf(what, sizeof(what), "%s hsum", name);
+  expect(what, &sum, &sum_ref, 1);
+}
+
+}  // namespace
+
+int main() {
+  uint32_t state = 12345;
+  uint8_t codes[256];
+  for (uint8_t& c : codes) {
+    state = state * 1664525u + 1013904223u;  // an LCG: the same bytes on every ISA
+    c = static_cast<uint8_t>(state >> 24);
+    if ((c & 0x7F) == 0x7F) c ^= 1;  // no e4m3 NaN
+  }
+  for (int i = 0; i < 8; ++i) codes[i] = static_cast<uint8_t>(i * 16 + 3);  // e4m3 subnormals and both signs
+  float x[8 * 16];
+  for (int i = 0; i < 8 * 16; ++i) x[i] = std::ldexp(static_cast<float>((i * 37) % 101) - 50.f, -(i % 7)) + 1e-3f * i;
+  std::printf("W=%d\n", W);
+  check_format<pagoda_cpu::kInt4>("int4", codes, x);
+  check_format<pagoda_cpu::kInt8>("int8", codes, x);
+  check_format<pagoda_cpu::kFp8>("fp8", codes, x);
+  return failures ? 1 : 0;
+}
