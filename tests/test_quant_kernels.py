@@ -104,9 +104,12 @@ def test_vpanel_layout_round_trips_and_gathers_rows(method, width):
         assert (got is None and want is None) or torch.equal(got, want)
     index = torch.tensor([63, 0, 17, 8, 8, width - 1])
     assert torch.equal(vp.rows(index).dequantize(), pw.dequantize()[index])
-    if width == torch.ops.pagoda.vpanel_width():  # the build's width runs its kernel
-        x = torch.randn(5, 128)
-        torch.testing.assert_close(quant_linear(x, vp, None, use_cpp=True), _ref(x, pw, None), atol=1e-4, rtol=1e-4)
+    if width == torch.ops.pagoda.vpanel_width():  # the build's width runs its kernel, at every row count alike
+        x = torch.randn(40, 128)
+        alone = torch.cat([quant_linear(x[i:i + 1], vp, None, use_cpp=True) for i in range(len(x))])
+        torch.testing.assert_close(alone, _ref(x, pw, None), atol=1e-4, rtol=1e-4)
+        for m in (2, 4, 5, 8, 12, 13, 40):  # streamed, one tile pass, passes and a partial one
+            assert torch.equal(quant_linear(x[:m], vp, None, use_cpp=True), alone[:m]), f"{m} rows"
 
 
 @_ROWS

@@ -10,8 +10,8 @@
 // No horizontal sums, no per-row scale work. That chain is the sum's one order whatever the row count (batch
 // invariance): up to four rows the weights are decoded in registers as they stream (two panels at a time at one row);
 // more rows dequantize each panel once into an fp32 tile [K][P] that stays in L1/L2 and run every pass over it
-// (the same values, loaded instead of decoded), six rows at a time: 12 accumulators, two weight vectors and a
-// broadcast in AVX2's 16 registers, the outer-product tile a GEMM runs.
+// (the same values, loaded instead of decoded), kRowsPerPass rows at a time (6 on AVX2: 12 accumulators, two weight
+// vectors and a broadcast in its 16 registers), the outer-product tile a GEMM runs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,7 +40,9 @@ using pagoda_simd::vstore;
 using pagoda_simd::W;
 
 constexpr int P = 2 * W;            // output columns per panel
-constexpr int kRowsPerPass = 6;     // activation rows per pass over a tile
+// Activation rows per pass over a tile: 2 x kRowsPerPass accumulators, two weight vectors and a broadcast must fit
+// the register file (AVX2's and NEON's 16 and 32 vectors: 6; AVX-512's 32: 12).
+constexpr int kRowsPerPass = W == 16 ? 12 : 6;
 constexpr int kStreamRows = 4;      // up to this many rows the weights are decoded as they stream
 // kind = the format's storage (LinearFormat kInt4, kInt8, kFp8: 0, 1, 2), what decode_codes takes
 using pagoda_cpu::kFp8;
@@ -140,6 +142,20 @@ void tile_rows(const float* tile, const float* x, int64_t K, const float* bias, 
   }
 }
 
+// A pass's row count (1..kRowsPerPass) as a compile-time constant, so its accumulators live in registers.
+template <typename Fn>
+inline void dispatch_pass(int64_t m, Fn&& fn) {
+  if (m > 8) {
+    switch (m) {
+      case 9: fn(std::integral_constant<int, 9>{}); return;
+      case 10: fn(std::integral_constant<int, 10>{}); return;
+      case 11: fn(std::integral_constant<int, 11>{}); return;
+      default: fn(std::integral_constant<int, 12>{}); return;
+    }
+  }
+  dispatch_m(m, fn);
+}
+
 template <int F, typename O>
 void run(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
   const int64_t panels = N / P, K = src.K;
@@ -167,7 +183,7 @@ void run(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t M
         }
       }
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
-        dispatch_m(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto c) {  // 1..6 rows
+        dispatch_pass(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto c) {
           tile_rows<decltype(c)::value>(tile.data(), x + m0 * K, K, bias, y + m0 * N, N, p);
         });
     }
