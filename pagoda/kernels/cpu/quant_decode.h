@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "linear_formats.h"
 #include "simd.h"
@@ -32,6 +33,15 @@ inline void decode_codes(const uint8_t* p, vf& a, vf& b) {
     a = one(p);
     b = one(p + W);
   }
+}
+
+// fn(std::integral_constant<int, F>) for a storage format known only at run time (kInt4, kInt8, else kFp8): the
+// kernels' one switch from a format code to the decode_codes instantiation.
+template <typename Fn>
+inline void dispatch_codes(int64_t fmt, Fn&& fn) {
+  if (fmt == pagoda_cpu::kInt4) fn(std::integral_constant<int, pagoda_cpu::kInt4>{});
+  else if (fmt == pagoda_cpu::kInt8) fn(std::integral_constant<int, pagoda_cpu::kInt8>{});
+  else fn(std::integral_constant<int, pagoda_cpu::kFp8>{});
 }
 
 }  // namespace pagoda_simd

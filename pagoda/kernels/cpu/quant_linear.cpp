@@ -150,21 +150,20 @@ void rows(const Src& src, const float* bias, const float* xd, O* y, int64_t ldy,
   }
 }
 
-// x [M, K] as fp32 with each 2W columns split [even | odd] for INT4 (the nibbles' order), as is otherwise.
-std::vector<float> split_even_odd(const at::Tensor& x, int64_t fmt) {
+// x [M, K] as fp32 with each 2W columns split [even | odd] for INT4 (the nibbles' order); as it is otherwise (no copy
+// where x is already contiguous fp32).
+at::Tensor split_even_odd(const at::Tensor& x, int64_t fmt) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (fmt != kInt4) return xf;
   const int64_t M = xf.size(0), K = xf.size(1);
+  at::Tensor xd = at::empty({M, K}, xf.options());
   const float* src = xf.data_ptr<float>();
-  std::vector<float> xd(M * K);
-  if (fmt != kInt4) {
-    std::memcpy(xd.data(), src, M * K * sizeof(float));
-    return xd;
-  }
+  float* d = xd.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 2 * W)
       for (int j = 0; j < W; ++j) {
-        xd[m * K + k + j] = src[m * K + k + 2 * j];
-        xd[m * K + k + W + j] = src[m * K + k + 2 * j + 1];
+        d[m * K + k + j] = src[m * K + k + 2 * j];
+        d[m * K + k + W + j] = src[m * K + k + 2 * j + 1];
       }
   return xd;
 }
@@ -657,23 +656,20 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16");
   TORCH_CHECK(fmt != kInt4x8 && fmt != kInt4a8, "quant_linear: INT8-activation weights need their kernel");
-  const std::vector<float> xd = split_even_odd(x, fmt);
+  const at::Tensor xd = split_even_odd(x, fmt);
   const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t ahead = std::max<int64_t>(4, 4096 / row_bytes);  // rows ~4 KiB ahead
-  auto go = [&](auto f, auto* yp) {
-    constexpr int F = decltype(f)::value;
-    run<F>(CodeRows<F>{wp, row_bytes, sp, op, G, ahead}, xd.data(), bp, yp, M, N, K, group_size);
+  auto go = [&](auto* yp) {
+    pagoda_simd::dispatch_codes(fmt, [&](auto f) {
+      constexpr int F = decltype(f)::value;
+      run<F>(CodeRows<F>{wp, row_bytes, sp, op, G, ahead}, xd.data_ptr<float>(), bp, yp, M, N, K, group_size);
+    });
   };
-  auto go_fmt = [&](auto* yp) {
-    if (fmt == kInt4) go(std::integral_constant<int, kInt4>{}, yp);
-    else if (fmt == kInt8) go(std::integral_constant<int, kInt8>{}, yp);
-    else go(std::integral_constant<int, kFp8>{}, yp);
-  };
-  if (x.scalar_type() == at::kFloat) go_fmt(y.data_ptr<float>());
-  else go_fmt(y.data_ptr<c10::BFloat16>());
+  if (x.scalar_type() == at::kFloat) go(y.data_ptr<float>());
+  else go(y.data_ptr<c10::BFloat16>());
   return y;
 }
 

@@ -227,17 +227,14 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x_in, const at::Tensor& codes, 
   const auto* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  auto go = [&](auto f, auto* yp) {
-    constexpr int F = decltype(f)::value;
-    run<F>(Codes<F>{wp, scales.data_ptr<float>(), op, K, G, group_size}, x.data_ptr<float>(), bp, yp, M, N);
+  auto go = [&](auto* yp) {
+    pagoda_simd::dispatch_codes(kind, [&](auto f) {
+      constexpr int F = decltype(f)::value;
+      run<F>(Codes<F>{wp, scales.data_ptr<float>(), op, K, G, group_size}, x.data_ptr<float>(), bp, yp, M, N);
+    });
   };
-  auto go_kind = [&](auto* yp) {
-    if (kind == kInt4) go(std::integral_constant<int, kInt4>{}, yp);
-    else if (kind == kInt8) go(std::integral_constant<int, kInt8>{}, yp);
-    else go(std::integral_constant<int, kFp8>{}, yp);
-  };
-  if (x_in.scalar_type() == at::kFloat) go_kind(y.data_ptr<float>());
-  else go_kind(y.data_ptr<c10::BFloat16>());
+  if (x_in.scalar_type() == at::kFloat) go(y.data_ptr<float>());
+  else go(y.data_ptr<c10::BFloat16>());
   return y;
 }
 
