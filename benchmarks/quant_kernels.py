@@ -7,7 +7,10 @@ bf16 activations) and dequantize-then-F.linear in bf16. Prints microseconds per 
 
 `--model-sweep float32|bfloat16|int4|fp8` times the dense (or quantized) kernels the way a step meets them
 instead: every one of SmolLM2's 30 layers with its own weights (cold in cache) plus the LM
-head, one call each, rounds alternating between the kernels, best of `--rounds`; milliseconds per step.
+head, one call each, rounds alternating between the kernels, best of `--rounds`; milliseconds per step. The
+quantized sweeps run every layout the loaded build has (row-major, the portable panels, the AVX512-BF16 panels)
+and, with `--act-dtype float32`, oneDNN's fp32 GEMM on the dequantized weights beside them; `--kernels avx2`
+loads that build (with `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`: what an AVX2 CPU runs).
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels.cpu_extension import kernel_available
-from pagoda.kernels.linear import SMALL_M, linear, panel_pack, prepack, small_m_supported
-from pagoda.kernels.quant_linear import PackedWeight, dequant_linear, quant_linear
+from pagoda.kernels.cpu_extension import BUILDS, kernel_available, load
+from pagoda.kernels.linear import SMALL_M, linear, onednn_linear, panel_pack, prepack, small_m_supported
+from pagoda.kernels.quant_linear import PackedWeight, dequant_linear, quant_linear, vpanel_width
 from pagoda.quantization.methods import quantize_weight
 
 # SmolLM2-135M's layers: fused qkv, o_proj, fused gate|up, down_proj, lm_head (tied embedding).
@@ -100,19 +103,29 @@ def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[s
     return out
 
 
-def _quant_kernels(ws: list[PackedWeight]) -> dict[str, LayerCall]:
-    """Quantized layers and LM head, bf16 activations: the row-major streaming kernels first; then the panels."""
-    panels = [pw.panels16() for pw in ws]
-    return {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True),
-            "panels": lambda x, i: quant_linear(x, panels[i], None, use_cpp=True)}
+def _quant_kernels(ws: list[PackedWeight], dtype: torch.dtype = torch.bfloat16) -> dict[str, LayerCall]:
+    """Quantized layers and LM head: the row-major streaming kernels first; then each panel layout the build has;
+    with fp32 activations, oneDNN on the dequantized fp32 weights last (what the float model runs)."""
+    out: dict[str, LayerCall] = {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True)}
+    width = vpanel_width()
+    if all(pw.out_features % width == 0 for pw in ws):
+        vpanels = [pw.vpanels(width) for pw in ws]
+        out["vpanels"] = lambda x, i: quant_linear(x, vpanels[i], None, use_cpp=True)
+    if torch.ops.pagoda.quant_panels_supported(ws[0].in_features, ws[0].group_size):
+        panels = [pw.panels16() for pw in ws]
+        out["panels"] = lambda x, i: quant_linear(x, panels[i], None, use_cpp=True)
+    if dtype == torch.float32:
+        dense = [prepack(pw.dequantize()) for pw in ws]
+        out["fp32 oneDNN"] = lambda x, i: onednn_linear(x, dense[i], None)
+    return out
 
 
-def model_sweep(kind: str, ms: list[int], rounds: int = 4) -> None:
+def model_sweep(kind: str, ms: list[int], rounds: int = 4, act_dtype: str = "bfloat16") -> None:
     """kind: float32 | bfloat16 (dense kernels) | int4 (INT4 g64 layers and an INT8 head, as the INT4 methods
-    hold them) | fp8 (FP8 layers and head); the quantized kinds with bf16 activations."""
+    hold them) | fp8 (FP8 layers and head); the quantized kinds with `act_dtype` activations."""
     shapes = SHAPES[:-1] * NUM_LAYERS + SHAPES[-1:]
     quantized = kind in ("int4", "fp8")
-    dtype = torch.bfloat16 if quantized else getattr(torch, kind)
+    dtype = getattr(torch, act_dtype) if quantized else getattr(torch, kind)
     ws = [torch.randn(n, k) / k**0.5 for k, n in shapes]
     if kind == "int4":
         ws = [quantize_weight("int4", w, 64) for w in ws[:-1]] + [quantize_weight("int8", ws[-1])]
@@ -122,7 +135,7 @@ def model_sweep(kind: str, ms: list[int], rounds: int = 4) -> None:
         ws = [w.to(dtype) for w in ws]
     for m in ms:
         xs = {k: torch.randn(m, k).to(dtype) for k, _ in SHAPES}
-        kernels = _quant_kernels(ws) if quantized else _dense_kernels(dtype, ws, m)
+        kernels = _quant_kernels(ws, dtype) if quantized else _dense_kernels(dtype, ws, m)
         best = dict.fromkeys(kernels, float("inf"))
         for _ in range(rounds):
             for name, fn in kernels.items():
@@ -132,7 +145,7 @@ def model_sweep(kind: str, ms: list[int], rounds: int = 4) -> None:
                 best[name] = min(best[name], time.perf_counter() - t0)
         cells = "  ".join(f"{name}={t * 1e3:7.1f} ms" for name, t in best.items())
         before = next(iter(best))
-        ratio = f"  panels vs {before}: {best[before] / best['panels']:.2f}x" if "panels" in best else ""
+        ratio = "".join(f"  {name} vs {before}: {best[before] / best[name]:.2f}x" for name in best if name != before)
         print(f"{kind} M={m:4d}  {cells}{ratio}", flush=True)
 
 
@@ -143,12 +156,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-sweep", choices=["float32", "bfloat16", "int4", "fp8"], default=None,
                     help="time the dense (or quantized) kernels over a whole model's linears per step (cold weights)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--act-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="activations of the quantized sweeps")
+    ap.add_argument("--kernels", choices=list(BUILDS), default=None, help="the C++ kernel build to load (default: "
+                    "the CPU's best)")
     args = ap.parse_args(argv)
+    if args.kernels:
+        load(args.kernels)
     if not kernel_available():
         raise SystemExit("pagoda's C++ kernels are unavailable on this machine")
     torch.manual_seed(0)
     if args.model_sweep:
-        model_sweep(args.model_sweep, [int(v) for v in args.m.split(",")], args.rounds)
+        model_sweep(args.model_sweep, [int(v) for v in args.m.split(",")], args.rounds, args.act_dtype)
         return
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     for k, n in shapes:
