@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from pagoda.kernels import cpu_extension
 from pagoda.kernels.cpu_extension import _LDFLAGS, best_build, build_directory, cflags, kernel_available, loaded_build
 from pagoda.kernels.paged_attention import k_cache_shape, k_words
 
-_CPU_SOURCES = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+_CPU_SOURCES = Path(__file__).resolve().parents[1] / "pagoda" / "kernels" / "cpu"
 
 
 def load_other_kernel(source: Path) -> object:
@@ -47,7 +48,8 @@ def load_other_kernel(source: Path) -> object:
     return torch.ops.pagoda_cmp.paged_attention
 
 
-def decode_batch(num_seqs: int, min_ctx: int, max_ctx: int, layers: int, block_size: int, seed: int = 0):
+def decode_batch(num_seqs: int, min_ctx: int, max_ctx: int, layers: int, block_size: int, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16):
     """Queries, per-layer K (as rows) and V caches, block tables (blocks shuffled in the pool) and lengths."""
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d = 9, 3, 64
@@ -55,15 +57,15 @@ def decode_batch(num_seqs: int, min_ctx: int, max_ctx: int, layers: int, block_s
     ctxs = [int(math.exp(math.log(min_ctx) + float(x) * (math.log(max_ctx) - math.log(min_ctx)))) for x in u]
     nblk = [(c + block_size - 1) // block_size for c in ctxs]
     num_blocks = sum(nblk) + 8
-    k = [torch.randn(num_blocks, hkv, block_size, d, generator=g).bfloat16() for _ in range(layers)]
-    v = [torch.randn(num_blocks, hkv, block_size, d, generator=g).bfloat16() for _ in range(layers)]
+    k = [torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype) for _ in range(layers)]
+    v = [torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype) for _ in range(layers)]
     perm = torch.randperm(num_blocks, generator=g)
     tables = torch.zeros(num_seqs, max(nblk), dtype=torch.int32)
     used = 0
     for i, n in enumerate(nblk):
         tables[i, :n] = perm[used:used + n].int()
         used += n
-    q = torch.randn(num_seqs, hq, d, generator=g).bfloat16()
+    q = torch.randn(num_seqs, hq, d, generator=g).to(dtype)
     qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
     return q, k, v, tables, qsl, torch.tensor(ctxs, dtype=torch.int32)
 
@@ -77,11 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--hot", action="store_true", help="one layer's caches every time (they stay in L3)")
     p.add_argument("--compare-source", type=Path, default=None, metavar="FILE")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="of queries and cache")
+    p.add_argument("--kernels", default=None, help="the kernel build to load (native, avx2; default: the best)")
     args = p.parse_args(argv)
+    if args.kernels is not None:
+        cpu_extension.load(args.kernels)
     if not kernel_available():
         raise SystemExit("the C++ kernels did not build")
-    q, k, v, tables, qsl, lens = decode_batch(args.num_seqs, *args.ctx_range, args.layers, args.block_size)
-    shape = k_cache_shape(*k[0].shape, torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    q, k, v, tables, qsl, lens = decode_batch(args.num_seqs, *args.ctx_range, args.layers, args.block_size,
+                                              dtype=dtype)
+    shape = k_cache_shape(*k[0].shape, dtype)
     kw = [k_words(t) for t in k] if len(shape) == 5 else k
     if args.hot:
         k, kw, v = [k[0]] * args.layers, [kw[0]] * args.layers, [v[0]] * args.layers
@@ -97,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             for layer in range(args.layers):
                 op(q, ks[layer], v[layer], tables, qsl, lens, scale)
             times[name].append(time.perf_counter() - t0)
-    kv_bytes = int(lens.sum()) * 3 * 64 * 2 * 2 * args.layers
-    print(f"decode attention: {args.num_seqs} sequences, {int(lens.sum())} keys, {args.layers} layers "
+    kv_bytes = int(lens.sum()) * 3 * 64 * 2 * k[0].element_size() * args.layers
+    print(f"decode attention ({loaded_build()} build, {args.dtype}): {args.num_seqs} sequences, "
+          f"{int(lens.sum())} keys, {args.layers} layers "
           f"({'hot' if args.hot else 'cold'}), K/V {kv_bytes / 1e6:.0f} MB a step, K layout {list(shape)}")
     base = statistics.median(times["pagoda"])
     for name, ts in times.items():

@@ -96,6 +96,18 @@ void check_format(const char* name, const uint8_t* codes, const float* x) {
   expect(what, &sum, &sum_ref, 1);
 }
 
+// transpose_block over strided rows (as paged attention stages K: rows D apart, into columns 2W apart).
+void check_transpose() {
+  constexpr int lds = W + 3, ldd = 2 * W;
+  float src[W * lds], got[W * ldd], want[W * ldd];
+  for (int i = 0; i < W * lds; ++i) src[i] = static_cast<float>(i) + 0.25f;
+  for (int i = 0; i < W * ldd; ++i) got[i] = want[i] = -1.f;  // the columns past W stay untouched
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < W; ++j) want[j * ldd + i] = src[i * lds + j];
+  transpose_block(src, lds, got, ldd);
+  expect("transpose_block", got, want, W * ldd);
+}
+
 }  // namespace
 
 int main() {
@@ -113,5 +125,6 @@ int main() {
   check_format<pagoda_cpu::kInt4>("int4", codes, x);
   check_format<pagoda_cpu::kInt8>("int8", codes, x);
   check_format<pagoda_cpu::kFp8>("fp8", codes, x);
+  check_transpose();
   return failures ? 1 : 0;
 }

@@ -38,6 +38,7 @@ namespace {
 // Portable SIMD (simd.h): W floats per vector.
 using pagoda_simd::hmax;
 using pagoda_simd::hsum;
+using pagoda_simd::transpose_block;
 using pagoda_simd::vf;
 using pagoda_simd::vi;
 using pagoda_simd::vload;
@@ -185,39 +186,19 @@ template <int R> struct QK { template <typename... A> static void run(A... a) { 
 template <int R> struct PV { template <typename... A> static void run(A... a) { pv_tile<R>(a...); } };
 static_assert(RB == 8, "dispatch_rows covers 1..8 rows");
 
-#if defined(__AVX512F__)
-// dst[j][i] = src[i][j] for a 16x16 fp32 block (rows lds / ldd floats apart): pairs, then quads
-// within 128-bit lanes, then the lanes themselves. ~50 shuffles where a scalar loop moves 256 floats.
-inline void transpose16x16(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m512 r[16], t[16], u[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int a = 0; a < 4; ++a) {  // u[4a + c], 128-bit lane L: column 4L + c of rows 4a..4a+3
-    u[4 * a + 0] = _mm512_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0x44);
-    u[4 * a + 1] = _mm512_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0xEE);
-    u[4 * a + 2] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0x44);
-    u[4 * a + 3] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-    _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(v0, v2, 0x88));
-    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(v0, v2, 0xDD));
-    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(v1, v3, 0x88));
-    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(v1, v3, 0xDD));
-  }
-}
-
-// One cache row of D (multiple of 16) values into fp32.
+// One cache row of D (a multiple of W) values into fp32.
 template <typename C>
 inline void row_to_f32(const C* src, float* dst, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
-}
+  if constexpr (std::is_same<C, float>::value) {
+    std::memcpy(dst, src, D * sizeof(float));
+  } else {
+#if defined(__AVX512F__)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+#else
+    for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]);
 #endif
+  }
+}
 
 #if defined(__AVX512BF16__)
 // S[R][KC] = scale * Q @ K^T over a bf16 cache whose K is stored as words (see paged_attention_cpu):
@@ -348,7 +329,6 @@ struct Scratch {
 template <typename C>
 inline void prefetch_keys(const Args& a, const C* kc, const C* vc, const int32_t* bt, int64_t kv_head, int64_t from,
                           int64_t to) {
-#if defined(__AVX512F__)
   const int64_t bs = a.block_size;
   for (int64_t pos = from; pos < to;) {
     const int64_t blk = bt[pos / bs], off = pos % bs, n = std::min(to - pos, bs - off);
@@ -356,11 +336,10 @@ inline void prefetch_keys(const Args& a, const C* kc, const C* vc, const int32_t
     const char* vr = reinterpret_cast<const char*>(vc + blk * a.vc_s0 + kv_head * a.vc_s1 + off * a.vc_s2);
     const int64_t kbytes = (a.k_words ? a.D * bs : (n - 1) * a.kc_s2 + a.D) * static_cast<int64_t>(sizeof(C));
     const int64_t vbytes = ((n - 1) * a.vc_s2 + a.D) * static_cast<int64_t>(sizeof(C));
-    for (int64_t b = 0; b < kbytes; b += 64) _mm_prefetch(kr + b, _MM_HINT_T1);
-    for (int64_t b = 0; b < vbytes; b += 64) _mm_prefetch(vr + b, _MM_HINT_T1);
+    for (int64_t b = 0; b < kbytes; b += 64) __builtin_prefetch(kr + b, 0, 2);  // locality 2: into L2
+    for (int64_t b = 0; b < vbytes; b += 64) __builtin_prefetch(vr + b, 0, 2);
     pos += n;
   }
-#endif
 }
 
 // T: the dtype of q and out; C: the cache element (T itself, or an 8-bit tag).
@@ -419,10 +398,8 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 
   for (int64_t c0 = kv_begin; c0 < kv_end; c0 += KC) {
     const int nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0));
-#if defined(__AVX512F__)
     if (c0 == kv_begin) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, std::min<int64_t>(kv_end, c0 + KC));
     prefetch_keys(a, kc, vc, bt, it.kv_head, c0 + KC, std::min<int64_t>(kv_end, c0 + 2 * KC));
-#endif
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
       // A group past nk repeats the first: its keys are masked, and no block past the sequence is touched.
@@ -442,8 +419,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     {
     // Gather the chunk: K transposed to [D][KC] fp32, V as row pointers (fp32 cache
     // is read in place; bf16 is converted into scratch).
-#if defined(__AVX512F__)
-    if constexpr (!kQuantized<C>) {  // K rows staged row-major in fp32, then transposed 16x16 at a time
+    if constexpr (!kQuantized<C>) {  // K rows staged row-major in fp32, then transposed W x W at a time
       float* Kr = sc.kr.data();
       BlockWalk walk(bt, bs, c0);
       for (int j = 0; j < KC; ++j, walk.next()) {
@@ -464,34 +440,20 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
           vrows[j] = vb;
         }
       }
-      for (int jb = 0; jb < KC; jb += 16)
-        for (int64_t db = 0; db < D; db += 16) transpose16x16(Kr + jb * D + db, D, Kt + db * KC + jb, KC);
-    } else
-#endif
-    {
+      for (int jb = 0; jb < KC; jb += W)
+        for (int64_t db = 0; db < D; db += W) transpose_block(Kr + jb * D + db, D, Kt + db * KC + jb, KC);
+    } else {  // 8-bit rows decode through the table straight into K transposed
     BlockWalk walk(bt, bs, c0);
     for (int j = 0; j < nk; ++j, walk.next()) {
       const int64_t blk = walk.block(), off = walk.off;
-      const C* krow = kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2;
-      const C* vrow = vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2;
-      if constexpr (kQuantized<C>) {
-        const int64_t srow = (blk * a.Hkv + it.kv_head) * bs + off;
-        const float ks = a.k_scale[srow], vs = a.v_scale[srow];
-        const uint8_t* kb = reinterpret_cast<const uint8_t*>(krow);
-        const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(vrow);
-        for (int64_t d = 0; d < D; ++d) Kt[d * KC + j] = lut[kb[d]] * ks;
-        float* vb = sc.vbuf.data() + j * D;
-        for (int64_t d = 0; d < D; ++d) vb[d] = lut[vb8[d]] * vs;
-        vrows[j] = vb;
-      } else if constexpr (std::is_same<C, float>::value) {
-        for (int64_t d = 0; d < D; ++d) Kt[d * KC + j] = krow[d];
-        vrows[j] = vrow;
-      } else {
-        for (int64_t d = 0; d < D; ++d) Kt[d * KC + j] = to_f32(krow[d]);
-        float* vb = sc.vbuf.data() + j * D;
-        for (int64_t d = 0; d < D; ++d) vb[d] = to_f32(vrow[d]);
-        vrows[j] = vb;
-      }
+      const int64_t srow = (blk * a.Hkv + it.kv_head) * bs + off;
+      const float ks = a.k_scale[srow], vs = a.v_scale[srow];
+      const uint8_t* kb = reinterpret_cast<const uint8_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2);
+      const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
+      for (int64_t d = 0; d < D; ++d) Kt[d * KC + j] = lut[kb[d]] * ks;
+      float* vb = sc.vbuf.data() + j * D;
+      for (int64_t d = 0; d < D; ++d) vb[d] = lut[vb8[d]] * vs;
+      vrows[j] = vb;
     }
     // Padding keys never touch the cache (it may hold NaN garbage); they are masked.
     for (int j = nk; j < KC; ++j) {

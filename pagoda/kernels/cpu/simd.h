@@ -114,4 +114,60 @@ inline float hsum(vf v) {
 #endif
 }
 
+// dst[j][i] = src[i][j] for a W x W fp32 block (rows lds / ldd floats apart), in registers: pairs, then quads
+// within 128-bit lanes, then the lanes themselves (AVX-512: ~50 shuffles where a scalar loop moves 256 floats
+// one by one through memory; AVX2 24, NEON 8).
+inline void transpose_block(const float* src, int64_t lds, float* dst, int64_t ldd) {
+#if defined(__AVX512F__)
+  __m512 r[16], t[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int a = 0; a < 4; ++a) {  // u[4a + c], 128-bit lane L: column 4L + c of rows 4a..4a+3
+    u[4 * a + 0] = _mm512_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0x44);
+    u[4 * a + 1] = _mm512_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0xEE);
+    u[4 * a + 2] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0x44);
+    u[4 * a + 3] = _mm512_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(v0, v2, 0x88));
+    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(v1, v3, 0x88));
+    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+  }
+#elif defined(__AVX__)
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int a = 0; a < 2; ++a) {  // u[4a + c], 128-bit lane L: column 4L + c of rows 4a..4a+3
+    u[4 * a + 0] = _mm256_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0x44);
+    u[4 * a + 1] = _mm256_shuffle_ps(t[4 * a + 0], t[4 * a + 2], 0xEE);
+    u[4 * a + 2] = _mm256_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0x44);
+    u[4 * a + 3] = _mm256_shuffle_ps(t[4 * a + 1], t[4 * a + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (4 + c) * ldd, _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+  }
+#elif defined(PAGODA_SIMD_NEON)
+  const float32x4x2_t a = vtrnq_f32(vld1q_f32(src), vld1q_f32(src + lds));  // (r0[0] r1[0] r0[2] r1[2]), odd
+  const float32x4x2_t b = vtrnq_f32(vld1q_f32(src + 2 * lds), vld1q_f32(src + 3 * lds));
+  vst1q_f32(dst, vcombine_f32(vget_low_f32(a.val[0]), vget_low_f32(b.val[0])));
+  vst1q_f32(dst + ldd, vcombine_f32(vget_low_f32(a.val[1]), vget_low_f32(b.val[1])));
+  vst1q_f32(dst + 2 * ldd, vcombine_f32(vget_high_f32(a.val[0]), vget_high_f32(b.val[0])));
+  vst1q_f32(dst + 3 * ldd, vcombine_f32(vget_high_f32(a.val[1]), vget_high_f32(b.val[1])));
+#else
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < W; ++j) dst[j * ldd + i] = src[i * lds + j];
+#endif
+}
+
 }  // namespace pagoda_simd
