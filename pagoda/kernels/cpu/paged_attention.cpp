@@ -46,7 +46,9 @@ using pagoda_simd::vstore;
 using pagoda_simd::W;
 
 constexpr int KC = 2 * W;   // keys per chunk (two vectors of scores per row)
-constexpr int RB = 8;       // rows per micro-kernel call (register blocking)
+// Rows per micro-kernel call (register blocking): a tile's 2 RB accumulators, two K or V vectors and a
+// broadcast fit the ISA's vector registers (AVX2 has 16, AVX-512 and NEON 32; 8 rows on AVX2 spilled).
+constexpr int RB = W == 8 ? 6 : 8;
 constexpr int TARGET_ROWS = 32;  // rows (queries x group heads) per work item
 
 // exp(x) for x <= 0 (arguments are already max-subtracted). Cody-Waite range
@@ -184,7 +186,7 @@ inline void dispatch_rows(int rows, A... args) {
 }
 template <int R> struct QK { template <typename... A> static void run(A... a) { qk_tile<R>(a...); } };
 template <int R> struct PV { template <typename... A> static void run(A... a) { pv_tile<R>(a...); } };
-static_assert(RB == 8, "dispatch_rows covers 1..8 rows");
+static_assert(RB <= 8, "dispatch_rows covers 1..8 rows");
 
 // One cache row of D (a multiple of W) values into fp32.
 template <typename C>
