@@ -119,3 +119,97 @@ def test_argmax_rows_equals_torch_argmax(rows, vocab, dtype):
         x[3, :] = 0.5  # all equal
     assert torch.equal(torch.ops.pagoda.argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(fused_ops.argmax_rows(x[:, : vocab - 1]), x[:, : vocab - 1].argmax(dim=-1))  # strided rows
+
+
+# The kernels run W = 16 (AVX-512), 8 (AVX2) or 4 (NEON) lanes at a time with scalar tails: widths around each
+# multiple, and row counts on both sides of the parallel grain (16).
+WIDTHS = [1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 100]
+ROWS = [1, 2, 17, 40]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm_every_tail(rows, dtype, tol):
+    torch.manual_seed(rows)
+    for dim in [*WIDTHS, 579]:
+        x, res = torch.randn(2, rows, dim, dtype=dtype)
+        w = torch.randn(dim, dtype=dtype)
+        torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-5), hf_rms_norm(x, w, 1e-5), atol=tol, rtol=tol)
+        r = res.clone()
+        out = fused_ops.rms_norm(x, w, 1e-5, r)
+        assert torch.equal(r, res + x), dim  # the sum rounded to the dtype once, as torch's add
+        torch.testing.assert_close(out, hf_rms_norm(res + x, w, 1e-5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_every_tail_rounds_as_the_unfused_ops(rows, dtype):
+    """bf16: silu(gate) rounded to bf16, then times up rounded again, as F.silu(gate) * up (at most one ulp apart
+    where the exps differ in the last fp32 bit)."""
+    torch.manual_seed(rows)
+    for inter in WIDTHS:
+        x = (torch.randn(rows, 2 * inter) * 4).to(dtype)
+        gate, up = x.chunk(2, dim=-1)
+        got, want = fused_ops.silu_and_mul(x), F.silu(gate) * up
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=2e-6)
+        else:
+            assert (got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1, inter
+            assert (got == want).float().mean() > 0.98, inter
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("D,R", [(64, 64), (64, 48), (80, 80), (16, 12), (8, 8), (34, 34), (96, 36)])
+def test_rope_every_tail(D, R, dtype, tol):
+    torch.manual_seed(D + R)
+    Hq, Hkv, T = 3, 2, 19
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype)
+    pos = torch.randint(0, 64, (T,))
+    ang = torch.outer(torch.arange(64).float(), 1.0 / 10000 ** (torch.arange(0, R, 2).float() / R))
+    got, want = qkv.clone(), qkv.clone()
+    fused_ops.rope_(got, pos, ang.cos(), ang.sin(), Hq, Hkv, D)
+    fused_ops.rope_(want, pos, ang.cos(), ang.sin(), Hq, Hkv, D, kernel=False)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert torch.equal(got.view(T, -1, D)[:, :, R:], qkv.view(T, -1, D)[:, :, R:])
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", WIDTHS)
+def test_argmax_rows_every_tail(vocab, dtype):
+    """The maximum, a tie or a NaN in the vector part or in the scalar tail, on every row count."""
+    torch.manual_seed(vocab)
+    x = torch.randn(40, vocab).to(dtype)
+    for r in range(0, 40, 4):
+        j, k = (r * 7) % vocab, (r * 13 + 5) % vocab
+        x[r, j] = x[r, k] = 10.0  # a tie (or one maximum where j == k)
+        if r % 8 == 4:
+            x[r + 1, k] = float("nan")
+        if r % 12 == 8:
+            x[r + 2, j] = float("nan")
+            x[r + 2, k] = float("inf")
+        x[r + 3] = float("-inf")
+    for rows in ROWS:
+        assert torch.equal(torch.ops.pagoda.argmax_rows(x[:rows]), x[:rows].argmax(dim=-1)), rows
+
+
+@pytest.mark.skipif(not kernel_available(), reason="C++ kernels unavailable")
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_kv_write_every_tail_stores_the_torch_bytes(dtype, cache_dtype):
+    """The KV write's amax and scaling run W lanes at a time: head dims around each multiple of W store the same
+    bytes and scales as the torch twin (an all-zero row, an outlier, saturation of fp8_e4m3 by the scale)."""
+    torch.manual_seed(0)
+    for D in [1, 3, 8, 12, 20, 40, 64, 100]:
+        k, v = (torch.randn(2, 9, 2, D) * torch.logspace(-3, 1, 9)[None, :, None, None]).to(dtype)
+        k[0, 0] = 0
+        v[..., 0] *= 50
+        slots = torch.randperm(12)[:9]
+        stores = []
+        for kernel in (True, False):
+            kc, vc = (torch.zeros(3, 2, 4, D, dtype=torch.int8).view(cache_dtype) for _ in range(2))
+            ks, vs = torch.zeros(3, 2, 4), torch.zeros(3, 2, 4)
+            fused_ops.write_kv_cache(k, v, kc, vc, slots, ks, vs, kernel=kernel)
+            stores.append((kc.view(torch.uint8), vc.view(torch.uint8), ks, vs))
+        for a, b in zip(*stores):
+            assert torch.equal(a, b), D

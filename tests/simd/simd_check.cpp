@@ -1,4 +1,4 @@
-// The ISA-specific steps of the portable kernels (kernels/cpu/simd.h, quant_decode.h) against their definition,
+// The ISA-specific steps of the portable kernels (kernels/cpu/simd.h, quant_decode.h, vec_bf16.h) against their definition,
 // lane by lane, bit for bit: tests/test_kernels_arm.py builds this for x86 (AVX2, AVX-512) and runs it, and builds it
 // for aarch64 (NEON) and runs it under qemu. The quantized kernels are chains of exactly these steps (decode the
 // codes, one FMA into a weight, FMA chains, one horizontal-sum tree), so every build computes what the x86 kernel
@@ -10,6 +10,7 @@
 
 #include "quant_decode.h"
 #include "simd.h"
+#include "vec_bf16.h"
 
 using namespace pagoda_simd;
 
@@ -108,6 +109,43 @@ void check_transpose() {
   expect("transpose_block", got, want, W * ldd);
 }
 
+// bf16 <-> fp32 (the fused ops' loads and stores) against c10::BFloat16's definition: widening is exact,
+// narrowing rounds to nearest even and any NaN becomes 0x7FC0; then vexp (vmin, vmax, FMAs and the exponent
+// bits) against its scalar definition.
+void check_bf16_and_exp(const float* x) {
+  float v[4 * W];
+  for (int i = 0; i < 4 * W; ++i) v[i] = x[i] * 1.7f;
+  const uint32_t specials[] = {0x3F808000u, 0x3F818000u, 0x3F80FFFFu, 0x7F7FFFFFu, 0x7F800000u,
+                               0xFF800000u, 0x7FC00001u, 0xFFFFFFFFu, 0x00018000u, 0x80000000u};
+  for (int i = 0; i < 10; ++i) std::memcpy(&v[3 * i], &specials[i], 4);  // ties both ways, overflow, NaN
+  uint16_t h[4 * W];
+  float got[4 * W], want[4 * W];
+  for (int j = 0; j < 4; ++j) vstore_bf16(h + j * W, vload(v + j * W));
+  for (int i = 0; i < 4 * W; ++i) {
+    const uint32_t u = bits(v[i]);
+    const uint32_t r = v[i] != v[i] ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&want[i], &r, 4);
+    const uint32_t g = static_cast<uint32_t>(h[i]) << 16;
+    std::memcpy(&got[i], &g, 4);
+  }
+  expect("bf16 store", got, want, 4 * W);
+  for (int j = 0; j < 4; ++j) vstore(got + j * W, vload_bf16(h + j * W));
+  for (int j = 0; j < 4; ++j) vstore(want + j * W, vround_bf16(vload(v + j * W)));
+  expect("bf16 load and round", got, want, 4 * W);
+  float e[4 * W];
+  for (int i = 0; i < 4 * W; ++i) e[i] = x[i] * (i % 3 == 0 ? 2.5f : 0.1f) + (i == 5 ? -120.f : i == 9 ? 95.f : 0.f);
+  for (int j = 0; j < 4; ++j) vstore(got + j * W, vexp(vload(e + j * W)));
+  for (int i = 0; i < 4 * W; ++i) {
+    const float c = std::min(std::max(e[i], -87.f), 88.f);
+    const float n = std::fma(c, 1.44269504088896341f, 12583039.f) - 12583039.f;
+    const float r = std::fma(-n, 1.428606765330187e-06f, std::fma(-n, 0.693145751953125f, c));
+    float p = 1.f / 5040.f;
+    for (float k : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = std::fma(p, r, k);
+    want[i] = p * std::ldexp(1.f, static_cast<int>(n));
+  }
+  expect("vexp", got, want, 4 * W);
+}
+
 }  // namespace
 
 int main() {
@@ -126,5 +164,6 @@ int main() {
   check_format<pagoda_cpu::kInt8>("int8", codes, x);
   check_format<pagoda_cpu::kFp8>("fp8", codes, x);
   check_transpose();
+  check_bf16_and_exp(x);
   return failures ? 1 : 0;
 }

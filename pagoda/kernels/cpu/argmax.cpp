@@ -1,7 +1,7 @@
 // Row-wise argmax of fp32 or bf16 logits [R, V], the same result as torch.argmax(dim=-1): the first index
 // of the maximum, or of the first NaN where a row has one. torch's reduction tracks its index
-// scalar by scalar (~80 us a row for a 49k vocabulary, 2.8 ms a step at 64 rows); here 16 lanes
-// each keep their running maximum and its first index, and the lanes are merged at the end. bf16 rows
+// scalar by scalar (~80 us a row for a 49k vocabulary, 2.8 ms a step at 64 rows); here the W lanes of
+// simd.h each keep their running maximum and its first index, and the lanes are merged at the end. bf16 rows
 // are widened in registers (exactly), so greedy steps need no fp32 copy of the logits (1.3 ms at 64 rows).
 
 #include <ATen/Parallel.h>
@@ -17,6 +17,11 @@
 
 namespace {
 
+using pagoda_simd::vf;
+using pagoda_simd::vi;
+using pagoda_simd::vload_as;
+using pagoda_simd::W;
+
 inline float value(float v) { return v; }
 inline float value(c10::BFloat16 v) { return static_cast<float>(v); }
 
@@ -25,32 +30,26 @@ int64_t argmax_row(const T* x, int64_t V) {
   int64_t i = 0, best = 0;
   float best_v = V > 0 ? value(x[0]) : 0.f;
   bool nan = false;
-#if defined(__AVX512F__)
-  if (V >= 16) {
-    __m512 mv = load16(x);
-    __m512i mi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i idx = mi;
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 unordered = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
-    for (i = 16; i + 16 <= V; i += 16) {
-      idx = _mm512_add_epi32(idx, step);
-      const __m512 v = load16(x + i);
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);  // strictly greater: lanes keep their first
-      mv = _mm512_mask_mov_ps(mv, gt, v);
-      mi = _mm512_mask_mov_epi32(mi, gt, idx);
-      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  if (V >= W) {
+    vf mv = vload_as(x);
+    vi idx, mi;
+    for (int l = 0; l < W; ++l) idx[l] = l;
+    mi = idx;
+    vi unordered = mv != mv;
+    for (i = W; i + W <= V; i += W) {
+      idx += W;
+      const vf v = vload_as(x + i);
+      const vi gt = v > mv;  // strictly greater (false for NaN): lanes keep their first maximum
+      mv = gt ? v : mv;
+      mi = gt ? idx : mi;
+      unordered |= v != v;
     }
-    nan = unordered != 0;
-    alignas(64) float vals[16];
-    alignas(64) int32_t ids[16];
-    _mm512_store_ps(vals, mv);
-    _mm512_store_si512(ids, mi);
-    best_v = vals[0];
-    best = ids[0];
-    for (int l = 1; l < 16; ++l)
-      if (vals[l] > best_v || (vals[l] == best_v && ids[l] < best)) { best_v = vals[l]; best = ids[l]; }
+    for (int l = 0; l < W; ++l) nan |= unordered[l] != 0;
+    best_v = mv[0];
+    best = mi[0];
+    for (int l = 1; l < W; ++l)
+      if (mv[l] > best_v || (mv[l] == best_v && mi[l] < best)) { best_v = mv[l]; best = mi[l]; }
   }
-#endif
   for (; i < V && !nan; ++i) {
     const float v = value(x[i]);
     if (std::isnan(v)) nan = true;

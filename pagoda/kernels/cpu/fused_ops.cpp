@@ -2,7 +2,8 @@
 // each layer's elementwise work is tiny, and the cost is op count: RMSNorm alone is six
 // aten ops, RoPE about ten. One op each here cuts a 30-layer step by ~1000 dispatches.
 //
-// All ops compute in fp32 and store in the tensor's dtype (fp32 or bf16).
+// All ops compute in fp32 and store in the tensor's dtype (fp32 or bf16), W lanes at a time (simd.h: the same
+// source for AVX-512, AVX2 and NEON) with scalar tails.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -16,18 +17,36 @@
 #include <algorithm>
 #include <cmath>
 
-#include "ops.h"
-#include "vec_bf16.h"
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
+
+#include "ops.h"
+#include "vec_bf16.h"
 
 namespace {
+
+using pagoda_simd::hmax;
+using pagoda_simd::hsum;
+using pagoda_simd::vexp;
+using pagoda_simd::vf;
+using pagoda_simd::vfma;
+using pagoda_simd::vload;
+using pagoda_simd::vload_as;
+using pagoda_simd::vround_as;
+using pagoda_simd::vsplat;
+using pagoda_simd::vstore;
+using pagoda_simd::vstore_as;
+using pagoda_simd::vu;
+using pagoda_simd::W;
 
 template <typename T>
 inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
 template <typename T>
 inline void st(T* p, int64_t i, float v) { p[i] = static_cast<T>(v); }
+
+// The vector loads and stores (vec_bf16.h) take fp32 or a 16-bit bf16: no other instantiation.
+#define DISPATCH_FP32_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 // Rows are processed in parallel only when there are enough of them to pay for it.
 constexpr int64_t kGrain = 16;
@@ -36,32 +55,21 @@ constexpr int64_t kGrain = 16;
 template <typename T>
 void rms_norm_row(const T* xr, T* orow, T* rr, const T* w, int64_t dim, float eps) {
   const T* v = rr ? rr : xr;
-  float sumsq = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= dim; i += 16) {
-    __m512 x = load16(xr + i);
-    if (rr) {
-      x = as_stored<T>(_mm512_add_ps(load16(rr + i), x));
-      store16(rr + i, x);
-    }
-    acc = _mm512_fmadd_ps(x, x, acc);
+  vf acc{};
+  for (; i + W <= dim; i += W) {
+    vf x = vload_as(xr + i);
+    if (rr) x = vstore_as(rr + i, vload_as(rr + i) + x);  // the sum as stored
+    acc = vfma(x, x, acc);
   }
-  sumsq = _mm512_reduce_add_ps(acc);
-#endif
+  float sumsq = hsum(acc);
   for (; i < dim; ++i) {
     if (rr) st(rr, i, ld(rr, i) + ld(xr, i));
     const float x = ld(v, i);
     sumsq += x * x;
   }
   const float inv = 1.f / std::sqrt(sumsq / dim + eps);
-  i = 0;
-#if defined(__AVX512F__)
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (; i + 16 <= dim; i += 16)
-    store16(orow + i, _mm512_mul_ps(load16(w + i), as_stored<T>(_mm512_mul_ps(load16(v + i), iv))));
-#endif
+  for (i = 0; i + W <= dim; i += W) vstore_as(orow + i, vload_as(w + i) * vround_as<T>(vload_as(v + i) * inv));
   for (; i < dim; ++i) st(orow, i, ld(w, i) * static_cast<float>(static_cast<T>(ld(v, i) * inv)));
 }
 
@@ -81,7 +89,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype/layout");
   auto out = at::empty(x.sizes(), x.options());
   const int64_t rows = x.size(0), dim = x.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  DISPATCH_FP32_BF16(x.scalar_type(), "rms_norm", [&] {
     scalar_t* res = nullptr;
     int64_t res_stride = 0;
     if (residual.has_value()) {
@@ -93,6 +101,27 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
                             weight.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
   });
   return out;
+}
+
+// The q and k heads of one row (contiguous in it), rotated by one position's table row c, s. The sizes are
+// arguments, not the caller's captures: the vector stores (memcpy) may alias any memory, and a size read through
+// a reference would be reloaded after every store.
+template <typename T>
+void rope_row(T* row, const float* c, const float* s, int64_t heads, int64_t head_dim, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x = row + h * head_dim;
+    int64_t i = 0;
+    for (; i + W <= half; i += W) {
+      const vf x1 = vload_as(x + i), x2 = vload_as(x + i + half), cv = vload(c + i), sv = vload(s + i);
+      vstore_as(x + i, x1 * cv - x2 * sv);
+      vstore_as(x + i + half, x2 * cv + x1 * sv);
+    }
+    for (; i < half; ++i) {
+      const float x1 = ld(x, i), x2 = ld(x, i + half);
+      st(x, i, x1 * c[i] - x2 * s[i]);
+      st(x, i + half, x2 * c[i] + x1 * s[i]);
+    }
+  }
 }
 
 // In-place rotary embedding (rotate-half layout) on the q and k heads of a fused qkv row.
@@ -109,62 +138,25 @@ void rope_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& co
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope", [&] {
+  DISPATCH_FP32_BF16(qkv.scalar_type(), "rope", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
     at::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* c = cp + pos[t] * half;
-        const float* s = sp + pos[t] * half;
-        for (int64_t h = 0; h < heads; ++h) {  // q heads then k heads: contiguous in the row
-          scalar_t* x = base + t * stride + h * head_dim;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = ld(x, i), x2 = ld(x, i + half);
-            st(x, i, x1 * c[i] - x2 * s[i]);
-            st(x, i + half, x2 * c[i] + x1 * s[i]);
-          }
-        }
-      }
+      for (int64_t t = t0; t < t1; ++t)
+        rope_row(base + t * stride, cp + pos[t] * half, sp + pos[t] * half, heads, head_dim, half);
     });
   });
 }
 
 // silu(gate) * up, with x = [gate | up] along the last dim: [T, 2I] -> [T, I].
-#if defined(__AVX512F__)
-// e^x for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
-// (truncation < 1e-8 relative, below fp32's half-ulp), then scaled by 2^n. Inputs are clamped to
-// [-87, 88], where e^x stays a normal fp32; silu only needs e^-x, which saturates well inside.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-#endif
-
 // One row of silu(gate) * up; silu(gate) is rounded to the dtype first, as the unfused
 // F.silu(gate) * up does. (NaN inputs are not expected here: the row comes from a matmul.)
 template <typename T>
 void silu_mul_row(const T* g, const T* u, T* o, int64_t I) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= I; i += 16) {
-    const __m512 gv = load16(g + i);
-    const __m512 sv = as_stored<T>(
-        _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-    store16(o + i, _mm512_mul_ps(sv, load16(u + i)));
+  for (; i + W <= I; i += W) {
+    const vf gv = vload_as(g + i);
+    vstore_as(o + i, vround_as<T>(gv / (1.f + vexp(-gv))) * vload_as(u + i));
   }
-#endif
   for (; i < I; ++i) {
     const float gv = ld(g, i);
     const float sv = static_cast<float>(static_cast<T>(gv / (1.f + std::exp(-gv))));
@@ -176,7 +168,7 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2I]");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = at::empty({T, I}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+  DISPATCH_FP32_BF16(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0);
@@ -193,20 +185,31 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
 template <typename S>
 void quantize_row(const S* x, int64_t D, at::ScalarType fmt, uint8_t* dst, float* scale_out) {
   const float qmax = fmt == at::kChar ? 127.f : fmt == at::kFloat8_e4m3fn ? 448.f : 57344.f;
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(ld(x, d)));
+  // amax and the scaled, clamped values W lanes at a time; ?: as std::max and std::min compare, so a NaN is
+  // skipped by amax and kept by the clamp on every ISA, as in the scalar tail.
+  int64_t d = 0;
+  vf m{};
+  for (; d + W <= D; d += W) {
+    const vf a = (vf)((vu)vload_as(x + d) & 0x7FFFFFFFu);
+    m = m < a ? a : m;
+  }
+  float amax = hmax(m);
+  for (; d < D; ++d) amax = std::max(amax, std::fabs(ld(x, d)));
   const float scale = amax / qmax;
   const float safe = scale > 0.f ? scale : 1.f;  // an all-zero row stores zeros
-  for (int64_t d = 0; d < D; ++d) {
-    const float y = std::min(std::max(ld(x, d) / safe, -qmax), qmax);
-    if (fmt == at::kChar) {
-      dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
-    } else if (fmt == at::kFloat8_e4m3fn) {
-      dst[d] = c10::Float8_e4m3fn(y).x;
-    } else {
-      dst[d] = c10::Float8_e5m2(y).x;
-    }
+  auto put = [&](int64_t i, float y) {
+    if (fmt == at::kChar) dst[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
+    else if (fmt == at::kFloat8_e4m3fn) dst[i] = c10::Float8_e4m3fn(y).x;
+    else dst[i] = c10::Float8_e5m2(y).x;
+  };
+  float y[W];
+  for (d = 0; d + W <= D; d += W) {
+    vf v = vload_as(x + d) / safe;
+    v = v < -qmax ? vsplat(-qmax) : v;
+    vstore(y, qmax < v ? vsplat(qmax) : v);
+    for (int l = 0; l < W; ++l) put(d + l, y[l]);
   }
+  for (; d < D; ++d) put(d, std::min(std::max(ld(x, d) / safe, -qmax), qmax));
   *scale_out = scale;
 }
 
@@ -242,7 +245,7 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
     uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
     float* ks = k_scale->data_ptr<float>();
     float* vs = v_scale->data_ptr<float>();
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "write_kv_quant", [&] {
+    DISPATCH_FP32_BF16(k.scalar_type(), "write_kv_quant", [&] {
       const scalar_t* kp = k.data_ptr<scalar_t>();
       const scalar_t* vp = v.data_ptr<scalar_t>();
       at::parallel_for(0, T * H, kGrain, [&](int64_t i0, int64_t i1) {

@@ -51,29 +51,11 @@ constexpr int KC = 2 * W;   // keys per chunk (two vectors of scores per row)
 constexpr int RB = W == 8 ? 6 : 8;
 constexpr int TARGET_ROWS = 32;  // rows (queries x group heads) per work item
 
-// exp(x) for x <= 0 (arguments are already max-subtracted). Cody-Waite range
-// reduction + degree-6 polynomial, ~1e-7 relative error. Inputs below -87 (incl.
-// -inf from masking) give exactly 0.
-inline vf vexp(vf x) {
-  const vf lo = vf{} - 87.0f;
-  vi dead = x < lo;
-  x = dead ? lo : x;
-  vf t = x * 1.44269504088896341f;
-  vi n = __builtin_convertvector(t - 0.5f, vi);  // round to nearest (t <= 0)
-  vf nf = __builtin_convertvector(n, vf);
-  vf r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-  vf p = vf{} + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  vf res = p * scale;
-  return dead ? vf{} : res;
+// exp(x) for x <= 0 (arguments are already max-subtracted), exactly 0 below -87 (where simd.h's vexp clamps):
+// a masked key's -inf adds nothing to a row.
+inline vf vexp_masked(vf x) {
+  const vi dead = x < -87.f;
+  return dead ? vf{} : pagoda_simd::vexp(x);
 }
 
 inline float to_f32(float x) { return x; }
@@ -497,7 +479,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
       }
       const float m_new = std::max(M[r], cmax);
       const float alpha = std::exp(M[r] - m_new);  // exp(-inf) = 0 on the first chunk
-      const vf p0 = vexp(s0 - m_new), p1 = vexp(s1 - m_new);
+      const vf p0 = vexp_masked(s0 - m_new), p1 = vexp_masked(s1 - m_new);
       vstore(sr, p0);
       vstore(sr + W, p1);
       // Row sums stay vectors until the end: no horizontal add per chunk.

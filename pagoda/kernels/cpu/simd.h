@@ -1,5 +1,5 @@
 // Portable SIMD through GCC/Clang vector extensions, shared by the kernels written once for every ISA (paged
-// attention, the row-major quantized linears): the compiler lowers a vector to the widest registers -march
+// attention, the row-major quantized linears, the fused elementwise ops, argmax): the compiler lowers a vector to the widest registers -march
 // allows (AVX-512: one zmm; AVX2: one ymm; NEON: one q register), so the same source is the x86 build CI
 // tests and the Arm build test_kernels_arm.py compiles. ISA-specific tiles live beside it where they pay.
 #pragma once
@@ -53,6 +53,31 @@ inline vf vfma(vf a, vf b, vf c) {
 #endif
 }
 
+// Lane-wise max and min, one instruction each (GCC keeps a ?: as compare and blend). Where a lane holds a NaN
+// the result differs between ISAs (x86: b; NEON: NaN), so callers keep NaNs away or do not care.
+inline vf vmax(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#elif defined(PAGODA_SIMD_NEON)
+  return (vf)vmaxq_f32((float32x4_t)a, (float32x4_t)b);
+#else
+  return a > b ? a : b;
+#endif
+}
+inline vf vmin(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_min_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+  return (vf)_mm256_min_ps((__m256)a, (__m256)b);
+#elif defined(PAGODA_SIMD_NEON)
+  return (vf)vminq_f32((float32x4_t)a, (float32x4_t)b);
+#else
+  return a < b ? a : b;
+#endif
+}
+
 // W bytes widened to W int32 lanes, unsigned or signed. GCC 12 lowers __builtin_convertvector from bytes to a
 // wider vector element by element (about 30 scalar instructions for 8 bytes), so each ISA gets its one widening
 // instruction here.
@@ -78,6 +103,75 @@ inline vi vload_widen(const void* p) {
 #endif
 }
 
+// W bf16 (raw bits) widened to fp32, exactly: the 16 bits become the high half. Like vload_widen, one widening
+// instruction per ISA (GCC 12 splits __builtin_convertvector's, and on NEON goes lane by lane).
+inline vf vload_bf16(const void* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#elif defined(PAGODA_SIMD_NEON)
+  return (vf)vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16);
+#else
+  uint16_t h[W];
+  std::memcpy(h, p, sizeof(h));
+  vu r;
+  for (int i = 0; i < W; ++i) r[i] = static_cast<uint32_t>(h[i]) << 16;
+  return (vf)r;
+#endif
+}
+
+// fp32 rounded to bf16 as c10::BFloat16 rounds (to nearest even; any NaN becomes 0x7FC0): the bf16 bits in the
+// low half of each lane, and that value back as fp32.
+inline vu vround_bf16_bits(vf v) {
+  const vu b = (vu)v;
+  const vu h = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  return v != v ? vu{} + 0x7FC0u : h;
+}
+inline vf vround_bf16(vf v) { return (vf)(vround_bf16_bits(v) << 16); }
+
+// fp32 -> W bf16 (raw bits), rounded as vround_bf16: the low halves narrowed by one instruction per ISA.
+// Returns the value stored, as fp32.
+inline vf vstore_bf16(void* p, vf v) {
+  const vu h = vround_bf16_bits(v);
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)h));
+#elif defined(__AVX2__)
+  const __m256i x = (__m256i)h;  // each lane <= 0xFFFF: the unsigned saturation of packus keeps it
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+#elif defined(PAGODA_SIMD_NEON)
+  vst1_u16(reinterpret_cast<uint16_t*>(p), vmovn_u32((uint32x4_t)h));
+#else
+  uint16_t o[W];
+  for (int i = 0; i < W; ++i) o[i] = static_cast<uint16_t>(h[i]);
+  std::memcpy(p, o, sizeof(o));
+#endif
+  return (vf)(h << 16);
+}
+
+// e^x: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so n ln2 is exact), e^r by its degree-7 Taylor
+// polynomial (truncation < 1e-8 relative, below fp32's half-ulp), scaled by 2^n through the exponent bits.
+// Inputs are clamped to [-87, 88], where 2^n and e^x stay normal fp32. n = x log2e rounded to nearest by
+// one FMA onto M = 1.5 * 2^23 + 127 (whose ulp is 1), so t = M + n also holds n + 127 in its low mantissa bits:
+// shifted into the exponent field they are 2^n, with no rounding or conversion instruction on any ISA.
+inline vf vexp(vf x) {
+  constexpr float M = 12583039.f;  // 1.5 * 2^23 + 127
+  x = vmin(vmax(x, vsplat(-87.f)), vsplat(88.f));
+  const vf t = vfma(x, vsplat(1.44269504088896341f), vsplat(M));
+  const vf n = t - M;
+  vf r = vfma(n, vsplat(-0.693145751953125f), x);
+  r = vfma(n, vsplat(-1.428606765330187e-06f), r);
+  vf p = vsplat(1.f / 5040.f);
+  p = vfma(p, r, vsplat(1.f / 720.f));
+  p = vfma(p, r, vsplat(1.f / 120.f));
+  p = vfma(p, r, vsplat(1.f / 24.f));
+  p = vfma(p, r, vsplat(1.f / 6.f));
+  p = vfma(p, r, vsplat(0.5f));
+  p = vfma(p, r, vsplat(1.f));
+  p = vfma(p, r, vsplat(1.f));
+  return p * (vf)((vu)t << 23);
+}
 
 // Horizontal reductions as trees (a fixed order, so a sum does not depend on how it is called): a sequential
 // loop would be a W-deep dependency chain.

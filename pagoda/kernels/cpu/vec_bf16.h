@@ -1,48 +1,47 @@
-// fp32 <-> bf16 for 16 AVX-512 lanes, shared by the kernels that store bf16 from fp32 math.
+// fp32 <-> the stored dtype (fp32, or a 16-bit bf16 type such as c10::BFloat16), shared by the kernels that
+// compute in fp32 and store in the tensor's dtype. Portable (simd.h's W lanes); the AVX-512 kernels' 16-lane
+// names are the same functions on __m512.
 #pragma once
 
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
-// Round to bf16 (nearest even, as torch's casts do) and back, as a bf16 tensor would hold the value.
-inline __m512 round_bf16(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
+namespace pagoda_simd {
 
-// 16 bf16 (raw bits) -> fp32: the 16 bits become the high half.
-inline __m512 load_bf16x16(const void* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-// fp32 -> 16 bf16 (raw bits), rounded to nearest even.
-inline void store_bf16x16(void* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
-}
-
-// 16 values of T (float, or a 16-bit bf16 type such as c10::BFloat16) as fp32, and back.
+// W values of T as fp32, and back (bf16: rounded to nearest even, as torch's casts do).
 template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
-  else return load_bf16x16(p);
+inline vf vload_as(const T* p) {
+  static_assert(std::is_same_v<T, float> || sizeof(T) == 2, "fp32 or bf16");
+  if constexpr (std::is_same_v<T, float>) return vload(p);
+  else return vload_bf16(p);
 }
 
+// Returns the value stored, as fp32.
 template <typename T>
-inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(p, v);
-  else store_bf16x16(p, v);
+inline vf vstore_as(T* p, vf v) {
+  static_assert(std::is_same_v<T, float> || sizeof(T) == 2, "fp32 or bf16");
+  if constexpr (std::is_same_v<T, float>) {
+    vstore(p, v);
+    return v;
+  } else {
+    return vstore_bf16(p, v);
+  }
 }
 
 // The value a T tensor would hold (bf16: rounded; fp32: as is).
 template <typename T>
-inline __m512 as_stored(__m512 v) {
+inline vf vround_as(vf v) {
   if constexpr (std::is_same_v<T, float>) return v;
-  else return round_bf16(v);
+  else return vround_bf16(v);
 }
+
+}  // namespace pagoda_simd
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p) { return (__m512)pagoda_simd::vload_as(p); }
+
+template <typename T>
+inline void store16(T* p, __m512 v) { pagoda_simd::vstore_as(p, (pagoda_simd::vf)v); }
 #endif
