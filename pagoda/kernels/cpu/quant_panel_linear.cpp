@@ -107,7 +107,7 @@ struct Fp8Codes {
 // sums too where R * NP <= 12, else in `acc` (L1). Up to 2 rows (bf16) or 1 (fp32), each block's x is broadcast
 // once and each panel's codes unpacked where they are used; more rows unpack every panel first and broadcast
 // each value (pair) of x once for all of them.
-template <typename Codes, typename T, int R, int NP, int BPG = 0>
+template <typename Codes, typename T, int R, int NP>
 void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t pstride,
           const float* __restrict scales, const float* __restrict offsets, int64_t G, int64_t gs,
           const float* __restrict xs, const float* __restrict bias, T* __restrict y, int64_t ldy,
@@ -144,8 +144,7 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
   auto value = [&](int r, int64_t k) {  // fp32 x[r, k], broadcast
     return _mm512_set1_ps(reinterpret_cast<const float*>(x)[r * K + k]);
   };
-  // BPG: blocks per group known at compile time (0: gs / 8 at run time), so that a group's blocks unroll.
-  const int64_t blocks_per_group = BPG ? BPG : gs / kBlockK;
+  const int64_t blocks_per_group = gs / kBlockK;
   for (int64_t g = 0; g < G; ++g) {
     __m512 gacc[R][NP];
     for (int r = 0; r < R; ++r)
@@ -230,13 +229,13 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
 
 // Every strip of rows of x over NP panels. Not inlined: inside the caller's lambda GCC kept a tile's
 // accumulators in memory (a store after every dot product, 2.4x slower).
-template <typename Codes, typename T, int NP, int BPG = 0>
+template <typename Codes, typename T, int NP>
 __attribute__((noinline)) void strips(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t pstride,
                                       const float* scales, const float* offsets, int64_t G, int64_t gs,
                                       const float* xs, const float* bias, T* y, int64_t N, const uint8_t* next) {
   for (int64_t m0 = 0; m0 < M; m0 += kStrip)
     dispatch_m(std::min<int64_t>(kStrip, M - m0), [&](auto rc) {
-      tile<Codes, T, decltype(rc)::value, NP, BPG>(x + m0 * K, K, w, pstride, scales, offsets, G, gs, xs + m0 * G,
+      tile<Codes, T, decltype(rc)::value, NP>(x + m0 * K, K, w, pstride, scales, offsets, G, gs, xs + m0 * G,
                                                    bias, y + m0 * N, N, m0 == 0 ? next : nullptr);
     });
 }
@@ -323,17 +322,8 @@ void run(int64_t kind, const T* xp, int64_t M, int64_t K, const uint8_t* wp, int
           });
         else
           with_panels<2>(n, [&](auto npc) {
-            constexpr int NP = decltype(npc)::value;
-            static const bool dev_bpg = std::getenv("PAGODA_DEV_BPG") != nullptr;  // DEV
-            if (dev_bpg && gs == 32)
-              strips<Codes, T, NP, 4>(xp, M, K, wt, pstride, st_of(p), ot_of(p), G, gs, xs.data(), bt_of(p),
-                                      yp + p * kPanel, N, next);
-            else if (dev_bpg && gs == 64)
-              strips<Codes, T, NP, 8>(xp, M, K, wt, pstride, st_of(p), ot_of(p), G, gs, xs.data(), bt_of(p),
-                                      yp + p * kPanel, N, next);
-            else
-              strips<Codes, T, NP>(xp, M, K, wt, pstride, st_of(p), ot_of(p), G, gs, xs.data(), bt_of(p),
-                                   yp + p * kPanel, N, next);
+            strips<Codes, T, decltype(npc)::value>(xp, M, K, wt, pstride, st_of(p), ot_of(p), G, gs, xs.data(),
+                                                   bt_of(p), yp + p * kPanel, N, next);
           });
       });
     }
