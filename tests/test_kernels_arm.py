@@ -22,7 +22,7 @@ QEMU = "qemu-aarch64"
 KERNELS = Path(cpu_extension.__file__).parent / "cpu"
 SOURCES = sorted(KERNELS.glob("*.cpp"))
 SIMD_CHECK = Path(__file__).parent / "simd" / "simd_check.cpp"
-CHECKS = 22  # simd_check's lines: 3 formats x 6 steps, the transpose, bf16 store, bf16 load and round, vexp
+CHECKS = 23  # simd_check's lines: 3 formats x 6 steps, the transpose, bf16 store, bf16 load and round, vexp, fp16
 
 
 @pytest.mark.skipif(shutil.which(CXX) is None, reason=f"{CXX} not installed (scripts/install.sh installs it)")

@@ -112,6 +112,33 @@ def test_vpanel_layout_round_trips_and_gathers_rows(method, width):
             assert torch.equal(quant_linear(x[:m], vp, None, use_cpp=True), alone[:m]), f"{m} rows"
 
 
+@_VPANELS
+@pytest.mark.parametrize("method", ["int4", "int4-sym", "int8"])
+def test_vpanels_keep_fp16_scales_where_exact_and_compute_the_same_bits(method):
+    """Scales and offsets that are fp16 numbers (a GGUF's Q4_0/Q4_1/Q8_0 blocks) are kept in fp16 in the portable
+    panels, half their bytes, and the kernel widens them exactly: the same bits as fp32 scales at every row count.
+    Others (a float checkpoint quantized here) stay fp32."""
+    fmt, sym = method.split("-")[0], method.endswith("sym")
+    pw, b = _case(fmt, 256, 2 * torch.ops.pagoda.vpanel_width(), True, 32)
+    if sym and pw.offsets is not None:
+        pw = PackedWeight(pw.format, pw.data, pw.scales, None, pw.group_size, pw.in_features)
+    width = torch.ops.pagoda.vpanel_width()
+    assert pw.vpanels(width).scales.dtype == torch.float32  # RTN scales are not fp16 numbers
+    halves = PackedWeight(pw.format, pw.data, pw.scales.half().float(),
+                          None if pw.offsets is None else pw.offsets.half().float(), pw.group_size, pw.in_features)
+    vp = halves.vpanels(width)
+    assert vp.scales.dtype == torch.float16 and (vp.offsets is None or vp.offsets.dtype == torch.float16)
+    as_fp32 = PackedWeight(vp.format, vp.data, vp.scales.float(), None if vp.offsets is None else vp.offsets.float(),
+                           vp.group_size, vp.in_features, "vpanels")
+    assert vp.nbytes < as_fp32.nbytes
+    assert torch.equal(vp.row_major().dequantize(), halves.dequantize())
+    x = torch.randn(40, 256)
+    for m in (1, 2, 4, 5, 13, 40):
+        got = quant_linear(x[:m], vp, b, use_cpp=True)
+        assert torch.equal(got, quant_linear(x[:m], as_fp32, b, use_cpp=True)), f"{m} rows"
+    torch.testing.assert_close(got, _ref(x, halves, b), atol=1e-4, rtol=1e-4)
+
+
 @_ROWS
 @pytest.mark.parametrize("n", [43, 131])
 def test_cpp_kernel_really_runs_and_covers_all_groups(n):

@@ -95,7 +95,10 @@ class PackedWeight:
     def vpanels(self, width: int) -> PackedWeight:
         """Layout vpanels, the portable panel kernel's (cpu/quant_vpanel_linear.cpp), in panels of `width` output
         columns (vpanel_width(): the build's 2W): codes [N / P, K, P] in k order (INT4: [N / P, K, P / 2], byte j
-        holding column j in its low nibble and column j + P / 2 in its high one); scales and offsets [N / P, G, P]."""
+        holding column j in its low nibble and column j + P / 2 in its high one); scales and offsets [N / P, G, P], in
+        fp16 where every one of them is an fp16 number (a GGUF's Q4_0/Q4_1/Q8_0 blocks: the kernel widens them back
+        exactly, so the sums are the fp32 layout's, and batch-1 decode, bound by the weights' bytes, reads 1 bit a
+        weight fewer), else fp32."""
         self._require_row_major("vpanels", self.format, f"rows % {width} == 0 (FP8: per-channel scales)",
                                 self.out_features % width == 0 and (self.format != "fp8" or self.offsets is None))
         n, k, half = self.out_features, self.in_features, width // 2
@@ -104,9 +107,9 @@ class PackedWeight:
             data = q[..., :half] | (q[..., half:] << 4)
         else:
             data = self.data.view(n // width, width, k).transpose(1, 2)
-        return PackedWeight(self.format, data.contiguous(), _panels_of(self.scales, width),
-                            None if self.offsets is None else _panels_of(self.offsets, width), self.group_size, k,
-                            "vpanels")
+        scales, offsets = _half_if_exact(self.scales, self.offsets)
+        return PackedWeight(self.format, data.contiguous(), _panels_of(scales, width),
+                            None if offsets is None else _panels_of(offsets, width), self.group_size, k, "vpanels")
 
     def panels16(self) -> PackedWeight:
         """Layout panels16, the bf16 panel kernel's (cpu/quant_panel_linear.cpp), whatever the format."""
@@ -217,8 +220,8 @@ class PackedWeight:
         """rows() of a vpanels weight, gathered in place (a tied LM head's table serves the embedding's lookups)."""
         width = self.scales.shape[2]
         p, c = index // width, index % width
-        scales = self.scales[p, :, c].contiguous()
-        offsets = None if self.offsets is None else self.offsets[p, :, c].contiguous()
+        scales = self.scales[p, :, c].float()  # fp16 where exact (vpanels): fp32, as row-major weights hold them
+        offsets = None if self.offsets is None else self.offsets[p, :, c].float()
         if self.format == "int4":
             half = width // 2
             byte = self.data[p, :, c % half]                                    # [R, K]
@@ -246,6 +249,14 @@ class PackedWeight:
 def _blocks_of_8(t: torch.Tensor) -> torch.Tensor:
     """[N, G] -> [N / 8, G, 8]: one group's scales of 8 consecutive rows are one vector."""
     return t.view(t.shape[0] // 8, 8, -1).transpose(1, 2).contiguous()
+
+
+def _half_if_exact(scales: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both as fp16 where every value survives the round trip (finite, in range, no lost bits), else both as given."""
+    parts = [t for t in (scales, offsets) if t is not None]
+    if all(torch.equal(t.half().float(), t) for t in parts):
+        return scales.half(), None if offsets is None else offsets.half()
+    return scales, offsets
 
 
 def _panels_of(t: torch.Tensor, width: int = PANEL) -> torch.Tensor:

@@ -146,6 +146,24 @@ void check_bf16_and_exp(const float* x) {
   expect("vexp", got, want, 4 * W);
 }
 
+// vload_half (fp16 scales) against fp16's definition: (-1)^s 2^(e-15) (1 + m/1024), subnormals m 2^-24, infinities.
+void check_half() {
+  uint16_t h[4 * W];
+  const uint16_t specials[] = {0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x3C00, 0xC000, 0x7BFF, 0x7C00, 0xFC00, 0x3555};
+  for (int i = 0; i < 4 * W; ++i)  // the specials, then finite values of both signs
+    h[i] = i < 11 ? specials[i] : static_cast<uint16_t>(((i * 40503u) & 0x7BFF) | (i % 2 ? 0x8000u : 0u));
+  float got[4 * W], want[4 * W];
+  for (int j = 0; j < 4; ++j) vstore(got + j * W, vload_half(h + j * W));
+  for (int i = 0; i < 4 * W; ++i) {
+    const int e = (h[i] >> 10) & 0x1F, m = h[i] & 0x3FF;
+    const float mag = e == 31 ? INFINITY
+                      : e == 0 ? std::ldexp(static_cast<float>(m), -24)
+                               : std::ldexp(1.f + m / 1024.f, e - 15);
+    want[i] = h[i] & 0x8000 ? -mag : mag;
+  }
+  expect("fp16 load", got, want, 4 * W);
+}
+
 }  // namespace
 
 int main() {
@@ -165,5 +183,6 @@ int main() {
   check_format<pagoda_cpu::kFp8>("fp8", codes, x);
   check_transpose();
   check_bf16_and_exp(x);
+  check_half();
   return failures ? 1 : 0;
 }

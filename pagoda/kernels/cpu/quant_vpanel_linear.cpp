@@ -4,7 +4,8 @@
 // Layout (PackedWeight.vpanels, kernels/quant_linear.py), per panel of P = 2W output columns (W: simd.h's lanes):
 //   int4 (kind 0): codes uint8 [N / P, K, W]: byte j of column k holds column j (low nibble) and column j + W (high)
 //   int8 (kind 1): codes int8 [N / P, K, P];  fp8 (kind 2): e4m3 bytes [N / P, K, P] (per-channel scales)
-//   scales, offsets: fp32 [N / P, G, P] (w = code * s + o)
+//   scales, offsets: fp32 or fp16 [N / P, G, P] (w = code * s + o; fp16 where a GGUF stored them so: exact, and
+//   at one row, where the weights' bytes bound the kernel, 1 bit a weight fewer to read)
 // Every output column owns a lane: per k a panel's codes become two fp32 vectors, one FMA each makes them weights
 // (code * s + o), and each activation row's x[k], broadcast, is FMA'd into one chain per (row, vector) in k order.
 // No horizontal sums, no per-row scale work. That chain is the sum's one order whatever the row count (batch
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -53,22 +55,26 @@ constexpr int64_t bytes_per_k(int F) { return F == kInt4 ? W : P; }
 
 // A panel's weights at column k: decoded from the codes and scaled in registers (w = code * s + o, one rounding),
 // or the same values loaded from the panel's dequantized tile.
-template <int F>
+template <int F, typename S>  // S: float, or uint16_t (fp16 bits)
 struct Codes {
+  static constexpr int kFormat = F;
   const uint8_t* w;
-  const float* scales;
-  const float* offsets;  // or null
+  const S* scales;
+  const S* offsets;  // or null
   int64_t K, G, gs;
+
+  static vf lanes(const float* p) { return vload(p); }
+  static vf lanes(const uint16_t* p) { return pagoda_simd::vload_half(p); }
 
   struct Group {
     vf s0, s1, o0, o1;
   };
   inline Group group(int64_t p, int64_t g) const {
-    const float* s = scales + (p * G + g) * P;
-    Group r{vload(s), vload(s + W), vf{}, vf{}};
+    const S* s = scales + (p * G + g) * P;
+    Group r{lanes(s), lanes(s + W), vf{}, vf{}};
     if (offsets) {
-      r.o0 = vload(offsets + (p * G + g) * P);
-      r.o1 = vload(offsets + (p * G + g) * P + W);
+      r.o0 = lanes(offsets + (p * G + g) * P);
+      r.o1 = lanes(offsets + (p * G + g) * P + W);
     }
     return r;
   }
@@ -80,8 +86,9 @@ struct Codes {
 };
 
 // y[m, p * P + c] for rows [0, M) and panels [p0, p1), R panels at a time, decoding as the codes stream.
-template <int F, int M, int R, typename O>
-void stream(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t ldy, int64_t p0, int64_t p1) {
+template <class Src, int M, int R, typename O>
+void stream(const Src& src, const float* x, const float* bias, O* y, int64_t ldy, int64_t p0, int64_t p1) {
+  constexpr int F = Src::kFormat;
   const int64_t K = src.K, gs = src.gs;
   int64_t p = p0;
   for (; p + R <= p1; p += R) {
@@ -89,7 +96,7 @@ void stream(const Codes<F>& src, const float* x, const float* bias, O* y, int64_
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = vf{};
     for (int64_t g = 0; g < K / gs; ++g) {
-      typename Codes<F>::Group grp[R];
+      typename Src::Group grp[R];
       for (int r = 0; r < R; ++r) grp[r] = src.group(p + r, g);
       for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
         vf lo[R], hi[R];
@@ -116,7 +123,7 @@ void stream(const Codes<F>& src, const float* x, const float* bias, O* y, int64_
       }
   }
   if constexpr (R > 1) {
-    if (p < p1) stream<F, M, 1>(src, x, bias, y, ldy, p, p1);
+    if (p < p1) stream<Src, M, 1>(src, x, bias, y, ldy, p, p1);
   }
 }
 
@@ -156,16 +163,16 @@ inline void dispatch_pass(int64_t m, Fn&& fn) {
   dispatch_m(m, fn);
 }
 
-template <int F, typename O>
-void run(const Codes<F>& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
+template <class Src, typename O>
+void run(const Src& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
   const int64_t panels = N / P, K = src.K;
   if (M <= kStreamRows) {
     at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
       switch (M) {
-        case 1: stream<F, 1, 2>(src, x, bias, y, N, p0, p1); break;
-        case 2: stream<F, 2, 1>(src, x, bias, y, N, p0, p1); break;
-        case 3: stream<F, 3, 1>(src, x, bias, y, N, p0, p1); break;
-        default: stream<F, 4, 1>(src, x, bias, y, N, p0, p1); break;
+        case 1: stream<Src, 1, 2>(src, x, bias, y, N, p0, p1); break;
+        case 2: stream<Src, 2, 1>(src, x, bias, y, N, p0, p1); break;
+        case 3: stream<Src, 3, 1>(src, x, bias, y, N, p0, p1); break;
+        default: stream<Src, 4, 1>(src, x, bias, y, N, p0, p1); break;
       }
     });
     return;
@@ -214,23 +221,30 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x_in, const at::Tensor& codes, 
               panels, ", ", K, ", ", kind == kInt4 ? W : P, "] for panels of ", P, " columns");
   TORCH_CHECK(quant_vpanels_supported(K, group_size), "quant_vpanel_linear: K ", K, " / group ", group_size);
   const int64_t G = K / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * G,
-              "quant_vpanel_linear: scales fp32 [N / P, G, P]");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() && scales.numel() == N * G,
+              "quant_vpanel_linear: scales fp32 or fp16 [N / P, G, P]");
   if (offsets.has_value())
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->numel() == N * G,
-                "quant_vpanel_linear: offsets fp32 [N / P, G, P]");
+    TORCH_CHECK(offsets->scalar_type() == scales.scalar_type() && offsets->is_contiguous() &&
+                offsets->numel() == N * G, "quant_vpanel_linear: offsets [N / P, G, P] in the scales' dtype");
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "quant_vpanel_linear: bias fp32 [N]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   auto y = at::empty({M, N}, x_in.options());
   const auto* wp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* op = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+  const void* sp = scales.data_ptr();
+  const void* op = offsets.has_value() ? offsets->data_ptr() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto go = [&](auto* yp) {
     pagoda_simd::dispatch_codes(kind, [&](auto f) {
       constexpr int F = decltype(f)::value;
-      run<F>(Codes<F>{wp, scales.data_ptr<float>(), op, K, G, group_size}, x.data_ptr<float>(), bp, yp, M, N);
+      auto with = [&](auto* s) {
+        using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+        run(Codes<F, S>{wp, s, static_cast<const S*>(op), K, G, group_size}, x.data_ptr<float>(), bp, yp, M, N);
+      };
+      if (half) with(static_cast<const uint16_t*>(sp));
+      else with(static_cast<const float*>(sp));
     });
   };
   if (x_in.scalar_type() == at::kFloat) go(y.data_ptr<float>());

@@ -208,6 +208,33 @@ inline float hsum(vf v) {
 #endif
 }
 
+// W IEEE fp16 values (raw bits) widened to fp32, exactly (subnormals included): one conversion instruction per ISA
+// (F16C, AVX-512, NEON). Quantized weights keep scales that a GGUF stored in fp16 as fp16 (half their bytes).
+inline vf vload_half(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(PAGODA_SIMD_NEON)
+  return (vf)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+#else
+  vf r;
+  for (int i = 0; i < W; ++i) {
+    const uint32_t h = p[i], sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t u;
+    if (e == 0) {  // zero or subnormal: m * 2^-24
+      const float f = static_cast<float>(m) * 5.9604644775390625e-8f;
+      std::memcpy(&u, &f, sizeof(u));
+      u |= sign;
+    } else {
+      u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    }
+    std::memcpy(&r[i], &u, sizeof(u));
+  }
+  return r;
+#endif
+}
+
 // dst[j][i] = src[i][j] for a W x W fp32 block (rows lds / ldd floats apart), in registers: pairs, then quads
 // within 128-bit lanes, then the lanes themselves (AVX-512: ~50 shuffles where a scalar loop moves 256 floats
 // one by one through memory; AVX2 24, NEON 8).
