@@ -4,15 +4,17 @@
 // Layout (PackedWeight.vpanels, kernels/quant_linear.py), per panel of P = 2W output columns (W: simd.h's lanes):
 //   int4 (kind 0): codes uint8 [N / P, K, W]: byte j of column k holds column j (low nibble) and column j + W (high)
 //   int8 (kind 1): codes int8 [N / P, K, P];  fp8 (kind 2): e4m3 bytes [N / P, K, P] (per-channel scales)
-//   scales, offsets: fp32 or fp16 [N / P, G, P] (w = code * s + o; fp16 where a GGUF stored them so: exact, and
-//   at one row, where the weights' bytes bound the kernel, 1 bit a weight fewer to read)
-// Every output column owns a lane: per k a panel's codes become two fp32 vectors, one FMA each makes them weights
-// (code * s + o), and each activation row's x[k], broadcast, is FMA'd into one chain per (row, vector) in k order.
-// No horizontal sums, no per-row scale work. That chain is the sum's one order whatever the row count (batch
-// invariance): up to four rows the weights are decoded in registers as they stream (two panels at a time at one row);
-// more rows dequantize each panel once into an fp32 tile [K][P] that stays in L1/L2 and run every pass over it
-// (the same values, loaded instead of decoded), kRowsPerPass rows at a time (6 on AVX2: 12 accumulators, two weight
-// vectors and a broadcast in its 16 registers), the outer-product tile a GEMM runs.
+//   scales, offsets: fp32 or fp16 [N / P, G, P] (w = code * s + o; fp16 where every one is an fp16 number, as a
+//   GGUF stores them: widened exactly, half the bytes)
+// Every output column owns a lane: per k a panel's codes become two fp32 vectors and each activation row's x[k],
+// broadcast, is FMA'd into the group's dot product, one chain per (row, vector) in k order; at the group's end the
+// chain times the group's scales goes into the running sum, then the offsets times the row's group sum of x
+// (sum_g s_g sum_k q x + o_g sum_k x, which is x . (q s + o)). One FMA a weight where scaling each decoded code
+// first took two: at one row, where decoding bounds the kernel, 1.05x. No horizontal sums. That order is the sum's
+// one order whatever the row count (batch invariance): up to four rows the codes are decoded in registers as they
+// stream (two panels at a time at one row); more rows decode each panel once into an fp32 tile [K][P] that stays in
+// L1/L2 and run every pass over it (the same values, loaded instead of decoded), kRowsPerPass rows at a time (6 on
+// AVX2: 12 accumulators, two code vectors and a broadcast in its 16 registers), the outer-product tile a GEMM runs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -53,8 +55,8 @@ using pagoda_cpu::kInt8;
 
 constexpr int64_t bytes_per_k(int F) { return F == kInt4 ? W : P; }
 
-// A panel's weights at column k: decoded from the codes and scaled in registers (w = code * s + o, one rounding),
-// or the same values loaded from the panel's dequantized tile.
+// A panel's codes at column k as two fp32 vectors (lo: columns [0, W), hi: [W, 2W)), and a group's scales and
+// offsets as vectors.
 template <int F, typename S>  // S: float, or uint16_t (fp16 bits)
 struct Codes {
   static constexpr int kFormat = F;
@@ -78,75 +80,100 @@ struct Codes {
     }
     return r;
   }
-  inline void load(int64_t p, int64_t k, const Group& grp, vf& lo, vf& hi) const {
-    pagoda_simd::decode_codes<F>(w + (p * K + k) * bytes_per_k(F), lo, hi);  // lo: columns [0, W), hi: [W, 2W)
-    lo = vfma(lo, grp.s0, grp.o0);
-    hi = vfma(hi, grp.s1, grp.o1);
+  inline void load(int64_t p, int64_t k, vf& lo, vf& hi) const {
+    pagoda_simd::decode_codes<F>(w + (p * K + k) * bytes_per_k(F), lo, hi);
   }
 };
 
+// The end of group g for one row's output vectors: the group's code dot products (ga, gb), times its scales, into the
+// running sums (a, b), then its offsets times the row's group sum of x. The one order every path keeps.
+template <class Grp>
+inline void close_group(const Grp& grp, bool offsets, float xsum, vf ga, vf gb, vf& a, vf& b) {
+  a = vfma(ga, grp.s0, a);
+  b = vfma(gb, grp.s1, b);
+  if (offsets) {
+    a = vfma(grp.o0, vsplat(xsum), a);
+    b = vfma(grp.o1, vsplat(xsum), b);
+  }
+}
+
+template <typename O>
+inline void store_row(vf a, vf b, const float* bias, O* yr, int64_t col0) {
+  float out[P];
+  vstore(out, a);
+  vstore(out + W, b);
+  for (int c = 0; c < P; ++c) yr[c] = static_cast<O>(out[c] + (bias ? bias[col0 + c] : 0.f));
+}
+
 // y[m, p * P + c] for rows [0, M) and panels [p0, p1), R panels at a time, decoding as the codes stream.
 template <class Src, int M, int R, typename O>
-void stream(const Src& src, const float* x, const float* bias, O* y, int64_t ldy, int64_t p0, int64_t p1) {
+void stream(const Src& src, const float* x, const float* xs, const float* bias, O* y, int64_t ldy, int64_t p0,
+            int64_t p1) {
   constexpr int F = Src::kFormat;
-  const int64_t K = src.K, gs = src.gs;
+  const int64_t K = src.K, G = src.G, gs = src.gs;
+  const bool offsets = src.offsets != nullptr;
   int64_t p = p0;
   for (; p + R <= p1; p += R) {
     vf acc[R][M][2];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = vf{};
-    for (int64_t g = 0; g < K / gs; ++g) {
-      typename Src::Group grp[R];
-      for (int r = 0; r < R; ++r) grp[r] = src.group(p + r, g);
+    for (int64_t g = 0; g < G; ++g) {
+      vf gacc[R][M][2];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) gacc[r][m][0] = gacc[r][m][1] = vf{};
       for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
         vf lo[R], hi[R];
         for (int r = 0; r < R; ++r) {
           __builtin_prefetch(src.w + ((p + r) * K + k + 64) * bytes_per_k(F), 0, 3);
-          src.load(p + r, k, grp[r], lo[r], hi[r]);
+          src.load(p + r, k, lo[r], hi[r]);
         }
         for (int m = 0; m < M; ++m) {
           const vf xv = vsplat(x[m * K + k]);
           for (int r = 0; r < R; ++r) {
-            acc[r][m][0] = vfma(lo[r], xv, acc[r][m][0]);
-            acc[r][m][1] = vfma(hi[r], xv, acc[r][m][1]);
+            gacc[r][m][0] = vfma(lo[r], xv, gacc[r][m][0]);
+            gacc[r][m][1] = vfma(hi[r], xv, gacc[r][m][1]);
           }
         }
       }
+      for (int r = 0; r < R; ++r) {
+        const auto grp = src.group(p + r, g);
+        for (int m = 0; m < M; ++m)
+          close_group(grp, offsets, offsets ? xs[m * G + g] : 0.f, gacc[r][m][0], gacc[r][m][1], acc[r][m][0],
+                      acc[r][m][1]);
+      }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) {
-        float out[P];
-        vstore(out, acc[r][m][0]);
-        vstore(out + W, acc[r][m][1]);
-        O* yr = y + m * ldy + (p + r) * P;
-        for (int c = 0; c < P; ++c) yr[c] = static_cast<O>(out[c] + (bias ? bias[(p + r) * P + c] : 0.f));
-      }
+      for (int m = 0; m < M; ++m) store_row(acc[r][m][0], acc[r][m][1], bias, y + m * ldy + (p + r) * P, (p + r) * P);
   }
   if constexpr (R > 1) {
-    if (p < p1) stream<Src, M, 1>(src, x, bias, y, ldy, p, p1);
+    if (p < p1) stream<Src, M, 1>(src, x, xs, bias, y, ldy, p, p1);
   }
 }
 
-// The same sums over one panel's dequantized tile [K][P], M rows at a time.
-template <int M, typename O>
-void tile_rows(const float* tile, const float* x, int64_t K, const float* bias, O* y, int64_t ldy, int64_t p) {
-  vf acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
-    const vf lo = vload(tile + k * P), hi = vload(tile + k * P + W);
-    for (int m = 0; m < M; ++m) {
-      const vf xv = vsplat(x[m * K + k]);
-      acc[m][0] = vfma(lo, xv, acc[m][0]);
-      acc[m][1] = vfma(hi, xv, acc[m][1]);
+// The same sums over one panel's decoded codes [K][P] (fp32), M rows at a time.
+template <int M, class Src, typename O>
+void tile_rows(const Src& src, const float* tile, const float* x, const float* xs, const float* bias, O* y,
+               int64_t ldy, int64_t p) {
+  const int64_t K = src.K, G = src.G, gs = src.gs;
+  const bool offsets = src.offsets != nullptr;
+  vf run_sums[M][2];
+  for (int m = 0; m < M; ++m) run_sums[m][0] = run_sums[m][1] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    vf acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = vf{};
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const vf lo = vload(tile + k * P), hi = vload(tile + k * P + W);
+      for (int m = 0; m < M; ++m) {
+        const vf xv = vsplat(x[m * K + k]);
+        acc[m][0] = vfma(lo, xv, acc[m][0]);
+        acc[m][1] = vfma(hi, xv, acc[m][1]);
+      }
     }
+    const auto grp = src.group(p, g);
+    for (int m = 0; m < M; ++m)
+      close_group(grp, offsets, offsets ? xs[m * G + g] : 0.f, acc[m][0], acc[m][1], run_sums[m][0], run_sums[m][1]);
   }
-  for (int m = 0; m < M; ++m) {
-    float out[P];
-    vstore(out, acc[m][0]);
-    vstore(out + W, acc[m][1]);
-    O* yr = y + m * ldy + p * P;
-    for (int c = 0; c < P; ++c) yr[c] = static_cast<O>(out[c] + (bias ? bias[p * P + c] : 0.f));
-  }
+  for (int m = 0; m < M; ++m) store_row(run_sums[m][0], run_sums[m][1], bias, y + m * ldy + p * P, p * P);
 }
 
 // A pass's row count (1..kRowsPerPass) as a compile-time constant, so its accumulators live in registers.
@@ -165,14 +192,22 @@ inline void dispatch_pass(int64_t m, Fn&& fn) {
 
 template <class Src, typename O>
 void run(const Src& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
-  const int64_t panels = N / P, K = src.K;
+  const int64_t panels = N / P, K = src.K, G = src.G, gs = src.gs;
+  // Each row's group sums of x (k order), for the offset term: the same numbers whatever else shares the call.
+  std::vector<float> xs(src.offsets ? M * G : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
+    const float* xr = x + (i / G) * K + (i % G) * gs;
+    float sum = 0.f;
+    for (int64_t k = 0; k < gs; ++k) sum += xr[k];
+    xs[i] = sum;
+  }
   if (M <= kStreamRows) {
     at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
       switch (M) {
-        case 1: stream<Src, 1, 2>(src, x, bias, y, N, p0, p1); break;
-        case 2: stream<Src, 2, 1>(src, x, bias, y, N, p0, p1); break;
-        case 3: stream<Src, 3, 1>(src, x, bias, y, N, p0, p1); break;
-        default: stream<Src, 4, 1>(src, x, bias, y, N, p0, p1); break;
+        case 1: stream<Src, 1, 2>(src, x, xs.data(), bias, y, N, p0, p1); break;
+        case 2: stream<Src, 2, 1>(src, x, xs.data(), bias, y, N, p0, p1); break;
+        case 3: stream<Src, 3, 1>(src, x, xs.data(), bias, y, N, p0, p1); break;
+        default: stream<Src, 4, 1>(src, x, xs.data(), bias, y, N, p0, p1); break;
       }
     });
     return;
@@ -180,18 +215,16 @@ void run(const Src& src, const float* x, const float* bias, O* y, int64_t M, int
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> tile(K * P);
     for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t g = 0; g < K / src.gs; ++g) {
-        const auto grp = src.group(p, g);
-        for (int64_t k = g * src.gs; k < (g + 1) * src.gs; ++k) {
-          vf lo, hi;
-          src.load(p, k, grp, lo, hi);
-          vstore(tile.data() + k * P, lo);
-          vstore(tile.data() + k * P + W, hi);
-        }
+      for (int64_t k = 0; k < K; ++k) {
+        vf lo, hi;
+        src.load(p, k, lo, hi);
+        vstore(tile.data() + k * P, lo);
+        vstore(tile.data() + k * P + W, hi);
       }
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
         dispatch_pass(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto c) {
-          tile_rows<decltype(c)::value>(tile.data(), x + m0 * K, K, bias, y + m0 * N, N, p);
+          tile_rows<decltype(c)::value>(src, tile.data(), x + m0 * K, xs.data() + (src.offsets ? m0 * G : 0), bias,
+                                        y + m0 * N, N, p);
         });
     }
   });
