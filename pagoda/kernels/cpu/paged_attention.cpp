@@ -173,15 +173,7 @@ static_assert(RB <= 8, "dispatch_rows covers 1..8 rows");
 // One cache row of D (a multiple of W) values into fp32.
 template <typename C>
 inline void row_to_f32(const C* src, float* dst, int64_t D) {
-  if constexpr (std::is_same<C, float>::value) {
-    std::memcpy(dst, src, D * sizeof(float));
-  } else {
-#if defined(__AVX512F__)
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
-#else
-    for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]);
-#endif
-  }
+  for (int64_t d = 0; d < D; d += W) vstore(dst + d, pagoda_simd::vload_as(src + d));
 }
 
 #if defined(__AVX512BF16__)

@@ -6,9 +6,11 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "linear_formats.h"
 #include "simd.h"
+#include "vec_bf16.h"
 
 namespace pagoda_simd {
 
@@ -42,6 +44,25 @@ inline void dispatch_codes(int64_t fmt, Fn&& fn) {
   if (fmt == pagoda_cpu::kInt4) fn(std::integral_constant<int, pagoda_cpu::kInt4>{});
   else if (fmt == pagoda_cpu::kInt8) fn(std::integral_constant<int, pagoda_cpu::kInt8>{});
   else fn(std::integral_constant<int, pagoda_cpu::kFp8>{});
+}
+
+// Each row's sums of x (fp32 or bf16 [M, K]) over groups of gs columns, fp32 [M, G]: the offset terms of every
+// quantized kernel take them (and the 128 each INT4 code carries in the bf16 panels). W lanes, then hsum's tree.
+template <typename T>
+std::vector<float> group_sums(const T* x, int64_t M, int64_t K, int64_t gs) {
+  const int64_t G = K / gs;
+  std::vector<float> xs(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* r = x + m * K + g * gs;
+      vf sum{};
+      int64_t k = 0;
+      for (; k + W <= gs; k += W) sum += vload_as(r + k);
+      float total = hsum(sum);
+      for (; k < gs; ++k) total += static_cast<float>(r[k]);
+      xs[m * G + g] = total;
+    }
+  return xs;
 }
 
 }  // namespace pagoda_simd

@@ -266,12 +266,11 @@ struct QuantizedX {
 QuantizedX quantize_x_i8(const at::Tensor& x, int64_t chunk, int64_t gs) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* src = xf.data_ptr<float>();
-  const int64_t M = xf.size(0), K = xf.size(1), G = K / gs;
-  QuantizedX q{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<float>(M * G, 0.f)};
+  const int64_t M = xf.size(0), K = xf.size(1);
+  QuantizedX q{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), pagoda_simd::group_sums(src, M, K, gs)};
   for (int64_t m = 0; m < M; ++m) {
     const float* r = src + m * K;
     float* a = q.xa.data() + m * K / 32;
-    for (int64_t k = 0; k < K; ++k) q.xs[m * G + k / gs] += r[k];
     for (int64_t k = 0; k < K; k += 32) {
       float amax = 0.f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(r[k + j]));
@@ -296,11 +295,7 @@ QuantizedX quantize_x_i8(const at::Tensor& x, int64_t chunk, int64_t gs) {
 // unsigned codes by signed activations into 16-bit pairs (|sum| <= 2 * 15 * 127: no saturation), vpmaddwd sums
 // pairs to 8 int32, and one FMA adds them scaled by s * a. One chain per (weight row, activation row), summed in a
 // fixed order at the end whatever the row count (batch invariance); four weight rows at a time at one row.
-inline float hsum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
+using pagoda_simd::hsum8;
 
 template <int M, int R, typename O>
 void rows_int4_a8(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets, const float* bias,
@@ -347,9 +342,13 @@ void rows_int4_a8(const uint8_t* w, int64_t row_bytes, const float* scales, cons
 #define PAGODA_INT4_A8 1
 #endif
 
+bool quant_linear_supported(int64_t K, int64_t group_size) {
+  return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;  // 2W columns a step (W <= 16)
+}
+
 bool int4a8_supported(int64_t K, int64_t group_size) {
 #if defined(PAGODA_INT4_A8)
-  return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;
+  return quant_linear_supported(K, group_size);
 #else
   (void)K;
   (void)group_size;
@@ -535,16 +534,12 @@ void blocks_int4x8_i8(const uint8_t* w, const float* scales, const float* offset
 
 bool int4x8_supported(int64_t K, int64_t group_size) {
 #if defined(PAGODA_INT4_I8)
-  return K % 64 == 0 && group_size % 32 == 0 && K % group_size == 0;
+  return K % 64 == 0 && quant_linear_supported(K, group_size);
 #else
   (void)K;
   (void)group_size;
   return false;
 #endif
-}
-
-bool quant_linear_supported(int64_t K, int64_t group_size) {
-  return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;  // 2W columns a step (W <= 16)
 }
 
 // x: [M, K] fp32 or bf16; y: [M, N] in x's dtype (fp32 accumulation). fmt: 0 int4, 1 int8, 2 fp8 (see header). scales/offsets: fp32 [N, K / group_size].

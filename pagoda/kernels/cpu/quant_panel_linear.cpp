@@ -37,6 +37,7 @@
 
 #include "dispatch_rows.h"
 #include "ops.h"
+#include "quant_decode.h"
 #include "vec_bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -267,30 +268,12 @@ __attribute__((noinline)) void few_rows(const T* x, int64_t K, const uint8_t* w,
   tile<Codes, T, R, NP>(x, K, w, pstride, scales, offsets, G, gs, xs, bias, y, N, next);
 }
 
-// Group sums of x's rows in fp32 [M, G], for the offset term (and the 128 each INT4 code carries).
-template <typename T>
-std::vector<float> group_sums(const T* x, int64_t M, int64_t K, int64_t gs) {
-  const int64_t G = K / gs;
-  std::vector<float> xs(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const T* r = x + m * K + g * gs;
-      __m512 sum = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 16 <= gs; k += 16) sum = _mm512_add_ps(sum, load16(r + k));
-      float total = _mm512_reduce_add_ps(sum);
-      for (; k < gs; ++k) total += static_cast<float>(r[k]);
-      xs[m * G + g] = total;
-    }
-  return xs;
-}
-
 template <typename T>
 void run(int64_t kind, const T* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P, const float* sp,
          const float* op, const float* bp, int64_t gs, T* yp) {
   const int64_t G = K / gs, N = P * kPanel, pstride = K / kBlockK * (kind == kInt4 ? 64 : 128);
   const bool carries128 = kind == kInt4 && !std::is_same_v<T, float>;  // see tile
-  const std::vector<float> xs = carries128 || op ? group_sums(xp, M, K, gs) : std::vector<float>(M * G);
+  const std::vector<float> xs = carries128 || op ? pagoda_simd::group_sums(xp, M, K, gs) : std::vector<float>(M * G);
   // The scales, offsets and bias of the tile that starts at panel p.
   auto st_of = [&](int64_t p) { return sp + p * G * kPanel; };
   auto ot_of = [&](int64_t p) { return op ? op + p * G * kPanel : nullptr; };

@@ -193,14 +193,7 @@ inline void dispatch_pass(int64_t m, Fn&& fn) {
 template <class Src, typename O>
 void run(const Src& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
   const int64_t panels = N / P, K = src.K, G = src.G, gs = src.gs;
-  // Each row's group sums of x (k order), for the offset term: the same numbers whatever else shares the call.
-  std::vector<float> xs(src.offsets ? M * G : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
-    const float* xr = x + (i / G) * K + (i % G) * gs;
-    float sum = 0.f;
-    for (int64_t k = 0; k < gs; ++k) sum += xr[k];
-    xs[i] = sum;
-  }
+  const std::vector<float> xs = src.offsets ? pagoda_simd::group_sums(x, M, K, gs) : std::vector<float>();
   if (M <= kStreamRows) {
     at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
       switch (M) {

@@ -182,19 +182,22 @@ inline float hmax(vf v) {
     for (int i = 0; i < w; ++i) a[i] = std::max(a[i], a[i + w]);
   return a[0];
 }
+#if defined(__AVX__)
+// hsum's tree over 8 lanes of a 256-bit register, which kernels with their own AVX2 registers share.
+inline float hsum8(__m256 h) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
 inline float hsum(vf v) {
   // The same tree in registers (each step adds the upper half of the lanes onto the lower half), so the bits do
   // not depend on the ISA's path.
 #if defined(__AVX512F__)
   const __m512 z = (__m512)v;
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(z), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(z), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1))));
 #elif defined(__AVX__)
-  __m256 h = (__m256)v;
-#endif
-#if defined(__AVX__)
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  return hsum8((__m256)v);
 #elif defined(PAGODA_SIMD_NEON)
   const float32x4_t q = (float32x4_t)v;
   const float32x2_t p = vadd_f32(vget_low_f32(q), vget_high_f32(q));
