@@ -49,12 +49,14 @@ def load_other_kernel(source: Path) -> object:
 
 
 def decode_batch(num_seqs: int, min_ctx: int, max_ctx: int, layers: int, block_size: int, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16):
-    """Queries, per-layer K (as rows) and V caches, block tables (blocks shuffled in the pool) and lengths."""
+                 dtype: torch.dtype = torch.bfloat16, prompts: list[int] | None = None):
+    """Queries, per-layer K (as rows) and V caches, block tables (blocks shuffled in the pool) and lengths.
+    `prompts`: instead of one decode query per sequence, whole prompts of these lengths (causal prefill)."""
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d = 9, 3, 64
     u = torch.rand(num_seqs, generator=g)
-    ctxs = [int(math.exp(math.log(min_ctx) + float(x) * (math.log(max_ctx) - math.log(min_ctx)))) for x in u]
+    ctxs = prompts or [int(math.exp(math.log(min_ctx) + float(x) * (math.log(max_ctx) - math.log(min_ctx)))) for x in u]
+    num_seqs = len(ctxs)
     nblk = [(c + block_size - 1) // block_size for c in ctxs]
     num_blocks = sum(nblk) + 8
     k = [torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype) for _ in range(layers)]
@@ -65,8 +67,9 @@ def decode_batch(num_seqs: int, min_ctx: int, max_ctx: int, layers: int, block_s
     for i, n in enumerate(nblk):
         tables[i, :n] = perm[used:used + n].int()
         used += n
-    q = torch.randn(num_seqs, hq, d, generator=g).to(dtype)
-    qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+    q_lens = ctxs if prompts else [1] * num_seqs
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return q, k, v, tables, qsl, torch.tensor(ctxs, dtype=torch.int32)
 
 
@@ -81,14 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-source", type=Path, default=None, metavar="FILE")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="of queries and cache")
     p.add_argument("--kernels", default=None, help="the kernel build to load (native, avx2; default: the best)")
+    p.add_argument("--prefill", default=None, metavar="LENS", help="comma-separated prompt lengths: time their causal "
+                   "prefill instead of decode")
     args = p.parse_args(argv)
     if args.kernels is not None:
         cpu_extension.load(args.kernels)
     if not kernel_available():
         raise SystemExit("the C++ kernels did not build")
     dtype = getattr(torch, args.dtype)
+    prompts = [int(n) for n in args.prefill.split(",")] if args.prefill else None
     q, k, v, tables, qsl, lens = decode_batch(args.num_seqs, *args.ctx_range, args.layers, args.block_size,
-                                              dtype=dtype)
+                                              dtype=dtype, prompts=prompts)
     shape = k_cache_shape(*k[0].shape, dtype)
     kw = [k_words(t) for t in k] if len(shape) == 5 else k
     if args.hot:
@@ -106,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                 op(q, ks[layer], v[layer], tables, qsl, lens, scale)
             times[name].append(time.perf_counter() - t0)
     kv_bytes = int(lens.sum()) * 3 * 64 * 2 * k[0].element_size() * args.layers
-    print(f"decode attention ({loaded_build()} build, {args.dtype}): {args.num_seqs} sequences, "
-          f"{int(lens.sum())} keys, {args.layers} layers "
+    kind = "prefill" if prompts else "decode"
+    print(f"{kind} attention ({loaded_build()} build, {args.dtype}): {len(lens)} sequences, {int(lens.sum())} keys, "
+          f"{args.layers} layers "
           f"({'hot' if args.hot else 'cold'}), K/V {kv_bytes / 1e6:.0f} MB a step, K layout {list(shape)}")
     base = statistics.median(times["pagoda"])
     for name, ts in times.items():

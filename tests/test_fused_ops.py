@@ -213,3 +213,14 @@ def test_quantized_kv_write_every_tail_stores_the_torch_bytes(dtype, cache_dtype
             stores.append((kc.view(torch.uint8), vc.view(torch.uint8), ks, vs))
         for a, b in zip(*stores):
             assert torch.equal(a, b), D
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the C++ kernels did not build")
+def test_fused_ops_bench_times_every_op(capsys):
+    """`benchmarks/fused_ops.py` (docs/benchmarks.md's fused-op figures) calls each op at its shapes."""
+    from benchmarks.fused_ops import main
+
+    assert main(["--rows", "1,3", "--calls", "1", "--rounds", "1", "--threads", str(torch.get_num_threads())]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "T=" in line]
+    assert len(lines) == 4 and all(op in lines[0] for op in ("rms_norm+res", "silu_and_mul", "rope", "argmax",
+                                                               "write_kv int8"))

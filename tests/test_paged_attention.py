@@ -289,7 +289,10 @@ def test_attention_bench_runs(capsys):
 
     assert main(["--num-seqs", "4", "--layers", "2", "--rounds", "1", "--ctx-range", "10", "40"]) == 0
     out = capsys.readouterr().out
-    assert "4 sequences" in out and "pagoda" in out and "GB/s" in out
+    assert "decode attention" in out and "4 sequences" in out and "pagoda" in out and "GB/s" in out
+    assert main(["--prefill", "40,17", "--dtype", "float32", "--layers", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill attention" in out and "float32" in out and "2 sequences, 57 keys" in out
 
 
 @pytest.mark.slow
