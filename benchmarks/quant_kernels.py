@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pagoda.kernels.cpu_extension import BUILDS, kernel_available, load
 from pagoda.kernels.linear import SMALL_M, linear, onednn_linear, panel_pack, prepack, small_m_supported
-from pagoda.kernels.quant_linear import PackedWeight, dequant_linear, quant_linear, vpanel_width
+from pagoda.kernels.quant_linear import PackedWeight, dequant_linear, kernel_layout, quant_linear, vpanel_width
 from pagoda.quantization.methods import quantize_weight
 
 # SmolLM2-135M's layers: fused qkv, o_proj, fused gate|up, down_proj, lm_head (tied embedding).
@@ -105,7 +105,7 @@ def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[s
 
 def _quant_kernels(ws: list[PackedWeight], dtype: torch.dtype = torch.bfloat16) -> dict[str, LayerCall]:
     """Quantized layers and LM head: the row-major streaming kernels first; then each panel layout the build has;
-    with fp32 activations, oneDNN on the dequantized fp32 weights last (what the float model runs)."""
+    INT4 with INT8 activations (int4_activations="int8"); with fp32 activations, oneDNN on the dequantized fp32 weights last (what the float model runs)."""
     out: dict[str, LayerCall] = {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True)}
     width = vpanel_width()
     if all(pw.out_features % width == 0 for pw in ws):
@@ -114,6 +114,9 @@ def _quant_kernels(ws: list[PackedWeight], dtype: torch.dtype = torch.bfloat16) 
     if torch.ops.pagoda.quant_panels_supported(ws[0].in_features, ws[0].group_size):
         panels = [pw.panels16() for pw in ws]
         out["panels"] = lambda x, i: quant_linear(x, panels[i], None, use_cpp=True)
+    if any(pw.format == "int4" for pw in ws):  # int4_activations="int8": the layouts the engine then takes
+        a8 = [kernel_layout(pw, dtype, "int8") for pw in ws]
+        out["int8-act"] = lambda x, i: quant_linear(x, a8[i], None, use_cpp=True)
     if dtype == torch.float32:
         dense = [prepack(pw.dequantize()) for pw in ws]
         out["fp32 oneDNN"] = lambda x, i: onednn_linear(x, dense[i], None)

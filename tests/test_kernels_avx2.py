@@ -72,8 +72,8 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
     with pytest.raises(RuntimeError, match="already loaded the C\\+\\+ kernels' 'avx2' build"):
         KernelPolicy.resolve("native")
     # The AVX-512-only kernels are absent, and nothing chooses them; the portable panel kernel runs quantized weights,
-    # and INT8 activations take the AVX2 kernel.
-    assert not torch.ops.pagoda.quant_panels_supported(64, 64) and not torch.ops.pagoda.int4x8_supported(64, 64)
+    # and INT8 activations take the interleaved kernel's vpmaddubsw path.
+    assert not torch.ops.pagoda.quant_panels_supported(64, 64) and torch.ops.pagoda.int4x8_supported(64, 64)
     assert torch.ops.pagoda.quant_linear_supported(64, 64)
     assert not k_words_supported(torch.bfloat16, 16, 64) and len(k_cache_shape(4, 2, 16, 64, torch.bfloat16)) == 4
     w = torch.randn(64, 128)
@@ -81,7 +81,7 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
     pw = quantize_weight("int4", w, 32)
     for dtype in (torch.float32, torch.bfloat16):
         kernel = choose_linear_kernel(None, pw, None, dtype, KernelPolicy(cpp=True, int4_activations="int8"))
-        assert kernel.qweight.layout == "rows_a8" and kernel.cpp and kernel.stack_args() is not None
+        assert kernel.qweight.layout == "interleave8" and kernel.cpp and kernel.stack_args() is not None
         weight_only = choose_linear_kernel(None, pw, None, dtype, policy)
         assert weight_only.qweight.layout == "vpanels" and weight_only.cpp  # the portable panels, 16 columns
         assert weight_only.qweight.data.shape == (4, 128, 8) and torch.ops.pagoda.vpanel_width() == 16

@@ -223,7 +223,7 @@ def _int8_activation_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)),
-                    reason="int4x8 needs the C++ kernels with VNNI and GFNI")
+                    reason="int4x8 needs the C++ kernels with AVX2 (or AVX512-VNNI)")
 @pytest.mark.parametrize("k,n,group", [(576, 40, 64), (1536, 136, 64), (384, 8, 128), (128, 24, 64), (640, 16, 32)])
 @pytest.mark.parametrize("m", [1, 3, 5, 16])
 def test_int4x8_kernel_computes_int8_activations_times_int4_weights(k, n, group, m):
@@ -241,6 +241,28 @@ def test_int4x8_kernel_computes_int8_activations_times_int4_weights(k, n, group,
     assert yb.dtype == torch.bfloat16
     torch.testing.assert_close(yb.double(), _int8_activation_ref(x.bfloat16().float(), pw) + b.double(),
                                atol=3e-2, rtol=8e-3)
+
+
+@pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)),
+                    reason="int4x8 needs the C++ kernels with AVX2 (or AVX512-VNNI)")
+def test_int4x8_sums_stay_exact_at_the_largest_products_and_every_row_count():
+    """Every code 15 against activations at +-127 (x constant per 32 columns): the largest integer sums a 32-column
+    half can reach, which the AVX2 kernel keeps in int16 (16 * 15 * 127 = 30480 < 2^15) before widening; and each row
+    computed among 1-20 others equals that row alone (the passes of 6 or 8 rows never change a row's sums)."""
+    pw, b = _case("int4", 640, 24, True, 32)
+    full = PackedWeight("int4", torch.full_like(pw.data, 0xFF), pw.scales, pw.offsets, 32, 640)
+    il = full.interleave8()
+    x = torch.ones(4, 640)
+    x[1] = -1
+    x[2, ::2] = -3  # the even columns (the low nibbles' operands) at -127, the odd ones at +42
+    x[3] = torch.linspace(-5, 5, 640)
+    torch.testing.assert_close(quant_linear(x, il, b, use_cpp=True).double(),
+                               _int8_activation_ref(x, full) + b.double(), atol=1e-4, rtol=1e-5)
+    il = pw.interleave8()
+    x = torch.randn(20, 640) * (0.5 + 4 * torch.rand(1, 640))
+    alone = torch.cat([quant_linear(x[i:i + 1], il, b, use_cpp=True) for i in range(len(x))])
+    for m in (2, 5, 6, 7, 8, 9, 12, 13, 20):
+        assert torch.equal(quant_linear(x[:m], il, b, use_cpp=True), alone[:m]), f"{m} rows"
 
 
 @pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4a8_supported(64, 64)),
@@ -266,7 +288,7 @@ def test_int4a8_kernel_computes_int8_activations_times_int4_weights(k, n, group)
 
 
 @pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)),
-                    reason="int4x8 needs the C++ kernels with VNNI and GFNI")
+                    reason="int4x8 needs the C++ kernels with AVX2 (or AVX512-VNNI)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4x8_layout_round_trips_and_dequantizes_alike(dtype):
     pw, _ = _case("int4", 640, 48, False, 64)
@@ -301,11 +323,11 @@ def test_int4_activation_mode_picks_the_layout():
         assert (kernel_layout(q8, dtype).format, kernel_layout(q8, dtype).layout) == ("int8", want)
         assert (kernel_layout(f8, dtype).format, kernel_layout(f8, dtype).layout) == ("fp8", want)
     assert kernel_layout(pw, torch.float16) is pw  # other dtypes: the torch fallback
-    vnni = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)
+    x8 = cpp_supported(pw) and torch.ops.pagoda.int4x8_supported(576, 64)  # AVX2 or VNNI
     avx2 = cpp_supported(pw) and torch.ops.pagoda.int4a8_supported(576, 64)
     for dtype in (f32, bf16):
         il = kernel_layout(pw, dtype, "int8")
-        assert (il.format, il.layout) == ("int4", "interleave8" if vnni else "rows_a8" if avx2 else "rows")
+        assert (il.format, il.layout) == ("int4", "interleave8" if x8 else "rows_a8" if avx2 else "rows")
     # Rows not in blocks of 8: the AVX2 kernel, which takes any row count
     assert kernel_layout(odd_rows, bf16, "int8").layout == ("rows_a8" if avx2 else "rows")
     int8, _ = _case("int8", 576, 40, False)
