@@ -24,6 +24,7 @@ import torch
 
 from pagoda.kernels import cpu_extension
 from pagoda.kernels.cpu_extension import _LDFLAGS, best_build, build_directory, cflags, kernel_available, loaded_build
+from pagoda.kernels.kv_quant import kv_cache_format, quantize_kv
 from pagoda.kernels.paged_attention import k_cache_shape, k_words
 
 _CPU_SOURCES = Path(__file__).resolve().parents[1] / "pagoda" / "kernels" / "cpu"
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot", action="store_true", help="one layer's caches every time (they stay in L3)")
     p.add_argument("--compare-source", type=Path, default=None, metavar="FILE")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="of queries and cache")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                   help="the cache's storage (auto: --dtype; else 8-bit with a scale per token and head)")
     p.add_argument("--kernels", default=None, help="the kernel build to load (native, avx2; default: the best)")
     p.add_argument("--prefill", default=None, metavar="LENS", help="comma-separated prompt lengths: time their causal "
                    "prefill instead of decode")
@@ -95,25 +98,31 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [int(n) for n in args.prefill.split(",")] if args.prefill else None
     q, k, v, tables, qsl, lens = decode_batch(args.num_seqs, *args.ctx_range, args.layers, args.block_size,
                                               dtype=dtype, prompts=prompts)
-    shape = k_cache_shape(*k[0].shape, dtype)
+    fmt = kv_cache_format(args.kv_cache_dtype, dtype)
+    scales: list[tuple[torch.Tensor, torch.Tensor] | tuple[()]] = [()] * args.layers
+    if fmt.quantized:  # the rows and scales the engine's KV write stores
+        (k, ks), (v, vs) = zip(*[quantize_kv(t, fmt.dtype) for t in k]), zip(*[quantize_kv(t, fmt.dtype) for t in v])
+        scales = list(zip(ks, vs))
+    shape = k_cache_shape(*k[0].shape, k[0].dtype)
     kw = [k_words(t) for t in k] if len(shape) == 5 else k
     if args.hot:
-        k, kw, v = [k[0]] * args.layers, [kw[0]] * args.layers, [v[0]] * args.layers
+        k, kw, v, scales = [k[0]] * args.layers, [kw[0]] * args.layers, [v[0]] * args.layers, [scales[0]] * args.layers
     kernels = {"pagoda": (torch.ops.pagoda.paged_attention, kw)}
     if args.compare_source is not None:
         kernels[f"other ({args.compare_source.name})"] = (load_other_kernel(args.compare_source), k)
     scale = 64 ** -0.5
-    outs = {name: op(q, ks[0], v[0], tables, qsl, lens, scale) for name, (op, ks) in kernels.items()}
+    outs = {name: op(q, ks[0], v[0], tables, qsl, lens, scale, *scales[0]) for name, (op, ks) in kernels.items()}
     times: dict[str, list[float]] = {name: [] for name in kernels}
     for _ in range(args.rounds):
         for name, (op, ks) in kernels.items():
             t0 = time.perf_counter()
             for layer in range(args.layers):
-                op(q, ks[layer], v[layer], tables, qsl, lens, scale)
+                op(q, ks[layer], v[layer], tables, qsl, lens, scale, *scales[layer])
             times[name].append(time.perf_counter() - t0)
-    kv_bytes = int(lens.sum()) * 3 * 64 * 2 * k[0].element_size() * args.layers
+    kv_bytes = int(lens.sum()) * 3 * 2 * fmt.bytes_per_row(64) * args.layers
     kind = "prefill" if prompts else "decode"
-    print(f"{kind} attention ({loaded_build()} build, {args.dtype}): {len(lens)} sequences, {int(lens.sum())} keys, "
+    cache = f", KV {args.kv_cache_dtype}" if fmt.quantized else ""
+    print(f"{kind} attention ({loaded_build()} build, {args.dtype}{cache}): {len(lens)} sequences, {int(lens.sum())} keys, "
           f"{args.layers} layers "
           f"({'hot' if args.hot else 'cold'}), K/V {kv_bytes / 1e6:.0f} MB a step, K layout {list(shape)}")
     base = statistics.median(times["pagoda"])

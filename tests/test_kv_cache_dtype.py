@@ -187,6 +187,28 @@ def test_bf16_queries_over_quantized_cache(kv_dtype):
     torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, 0.125), atol=1e-2, rtol=1e-2)
 
 
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", list(QUANT))
+def test_attention_decodes_every_8bit_code_exactly(kv_dtype):
+    """Each sequence is one token, so its output is its V row times the scale, exactly (softmax over one key is 1):
+    V rows holding every finite code of the format (subnormals, both zeros, the largest) come out as torch's own
+    conversion of those bytes, on every build (the kernel decodes W codes at a time)."""
+    dtype = QUANT[kv_dtype]
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    codes = codes[codes.float().isfinite()]
+    codes = torch.cat([codes, codes[: (-len(codes)) % 64]]).view(-1, 64)  # rows of 64
+    n = len(codes)
+    v = codes.view(n, 1, 1, 64)  # one block per sequence: [blocks, kv heads, block size, D]
+    k = torch.zeros_like(v)
+    scales = torch.tensor([0.5, 3.0, 1.0, 0.25, 2.0][:n], dtype=torch.float32).view(n, 1, 1)
+    q = torch.randn(n, 1, 64)
+    bt = torch.arange(n, dtype=torch.int32).view(n, 1)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    sl = torch.ones(n, dtype=torch.int32)
+    got = pa.paged_attention(q, k, v, bt, qsl, sl, 0.125, torch.ones_like(scales), scales, kernel=True)
+    assert torch.equal(got.view(n, 64), codes.float() * scales.view(n, 1))
+
+
 def test_bad_kv_cache_dtype_is_a_value_error_naming_the_option():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(kv_cache_dtype="fp16")

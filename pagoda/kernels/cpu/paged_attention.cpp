@@ -70,27 +70,21 @@ template <typename C>
 constexpr bool kQuantized = std::is_same<C, I8>::value || std::is_same<C, E4M3>::value ||
                             std::is_same<C, E5M2>::value;
 
-// Every 8-bit code decodes through a 256-entry fp32 table (1 KiB, stays in L1), built once from the
-// format's bit layout. Measured faster than widening vectors through fp16 (one-thread decode,
-// 16 seqs x 512 keys: ~0.8x the fp32 cache's time vs ~1.2x).
-struct DecodeTable {
-  float v[256];
-  explicit DecodeTable(int fmt) {
-    for (int b = 0; b < 256; ++b) {
-      if (fmt == 0) { v[b] = static_cast<float>(static_cast<int8_t>(b)); continue; }
-      const int sign = b >> 7;
-      const int ebits = fmt == 1 ? 4 : 5, mbits = 7 - ebits, bias = fmt == 1 ? 7 : 15;
-      const int e = (b >> mbits) & ((1 << ebits) - 1), m = b & ((1 << mbits) - 1);
-      float x = e == 0 ? std::ldexp(static_cast<float>(m), 1 - bias - mbits)
-                       : std::ldexp(static_cast<float>(m + (1 << mbits)), e - bias - mbits);
-      v[b] = sign ? -x : x;  // e4m3 0x7f (NaN) and e5m2 inf/NaN are never stored: writes clamp to +-qmax
-    }
-  }
-};
+// W 8-bit codes as fp32, vectorized (the scalar 256-entry table it replaced kept the 8-bit caches slower than fp32's
+// on AVX2): int8 widens; an fp8 code's magnitude bits shifted into an fp32's exponent and mantissa give its value
+// times 2^-(127 - bias) (subnormals as fp32 denormals), which one multiply restores, as quant_decode.h does for
+// weights. e4m3 0x7f (NaN) and e5m2 inf/NaN are never stored: writes clamp to +-qmax.
 template <typename C>
-inline const float* decode_table() {
-  static const DecodeTable t(std::is_same<C, I8>::value ? 0 : std::is_same<C, E4M3>::value ? 1 : 2);
-  return t.v;
+inline vf decode8(const void* p) {
+  if constexpr (std::is_same<C, I8>::value) {
+    return __builtin_convertvector(pagoda_simd::vload_widen<true>(p), vf);
+  } else {
+    constexpr bool e4m3 = std::is_same<C, E4M3>::value;
+    using pagoda_simd::vu;
+    const vu v = (vu)pagoda_simd::vload_widen<false>(p);
+    const vf mag = (vf)((v & 0x7F) << (e4m3 ? 20 : 21)) * (e4m3 ? 0x1p120f : 0x1p112f);
+    return (vf)((vu)mag | ((v & 0x80) << 24));
+  }
 }
 
 // S[R][KC] = Q[R][D] @ Kt[D][KC]. Q rows are ldq apart; scores for R rows stay in
@@ -170,10 +164,13 @@ template <int R> struct QK { template <typename... A> static void run(A... a) { 
 template <int R> struct PV { template <typename... A> static void run(A... a) { pv_tile<R>(a...); } };
 static_assert(RB <= 8, "dispatch_rows covers 1..8 rows");
 
-// One cache row of D (a multiple of W) values into fp32.
+// One cache row of D (a multiple of W) values into fp32; an 8-bit row times its scale.
 template <typename C>
-inline void row_to_f32(const C* src, float* dst, int64_t D) {
-  for (int64_t d = 0; d < D; d += W) vstore(dst + d, pagoda_simd::vload_as(src + d));
+inline void row_to_f32(const C* src, float* dst, int64_t D, float scale) {
+  for (int64_t d = 0; d < D; d += W) {
+    if constexpr (kQuantized<C>) vstore(dst + d, decode8<C>(src + d) * scale);
+    else vstore(dst + d, pagoda_simd::vload_as(src + d));
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -337,8 +334,6 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   const int64_t kv_begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) / bs * bs : 0;
   const int64_t last_pos = kv_end - 1;
   const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
-  const float* lut = nullptr;
-  if constexpr (kQuantized<C>) lut = decode_table<C>();
 
   // A bf16 cache with K words is read in place: K by qk_pairs_tile, V rows by pv_bf16_tile.
   const bool bf16_cache = kBf16Dot && std::is_same<C, c10::BFloat16>::value && a.k_words;
@@ -395,7 +390,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     {
     // Gather the chunk: K transposed to [D][KC] fp32, V as row pointers (fp32 cache
     // is read in place; bf16 is converted into scratch).
-    if constexpr (!kQuantized<C>) {  // K rows staged row-major in fp32, then transposed W x W at a time
+    {  // K rows staged row-major in fp32 (8-bit ones decoded and scaled), then transposed W x W at a time
       float* Kr = sc.kr.data();
       BlockWalk walk(bt, bs, c0);
       for (int j = 0; j < KC; ++j, walk.next()) {
@@ -407,35 +402,23 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
         const int64_t blk = walk.block(), off = walk.off;
         const C* krow = kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2;
         const C* vrow = vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2;
-        row_to_f32(krow, Kr + j * D, D);
+        float ks = 1.f, vs = 1.f;
+        if constexpr (kQuantized<C>) {
+          const int64_t srow = (blk * a.Hkv + it.kv_head) * bs + off;
+          ks = a.k_scale[srow];
+          vs = a.v_scale[srow];
+        }
+        row_to_f32(krow, Kr + j * D, D, ks);
         if constexpr (std::is_same<C, float>::value) {
           vrows[j] = vrow;
         } else {
           float* vb = sc.vbuf.data() + j * D;
-          row_to_f32(vrow, vb, D);
+          row_to_f32(vrow, vb, D, vs);
           vrows[j] = vb;
         }
       }
       for (int jb = 0; jb < KC; jb += W)
         for (int64_t db = 0; db < D; db += W) transpose_block(Kr + jb * D + db, D, Kt + db * KC + jb, KC);
-    } else {  // 8-bit rows decode through the table straight into K transposed
-    BlockWalk walk(bt, bs, c0);
-    for (int j = 0; j < nk; ++j, walk.next()) {
-      const int64_t blk = walk.block(), off = walk.off;
-      const int64_t srow = (blk * a.Hkv + it.kv_head) * bs + off;
-      const float ks = a.k_scale[srow], vs = a.v_scale[srow];
-      const uint8_t* kb = reinterpret_cast<const uint8_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2);
-      const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
-      for (int64_t d = 0; d < D; ++d) Kt[d * KC + j] = lut[kb[d]] * ks;
-      float* vb = sc.vbuf.data() + j * D;
-      for (int64_t d = 0; d < D; ++d) vb[d] = lut[vb8[d]] * vs;
-      vrows[j] = vb;
-    }
-    // Padding keys never touch the cache (it may hold NaN garbage); they are masked.
-    for (int j = nk; j < KC; ++j) {
-      for (int64_t d = 0; d < D; ++d) Kt[d * KC + j] = 0.f;
-      vrows[j] = sc.zeros.data();
-    }
     }
 
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
