@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = int(lens.sum()) * 3 * 2 * fmt.bytes_per_row(64) * args.layers
     kind = "prefill" if prompts else "decode"
     cache = f", KV {args.kv_cache_dtype}" if fmt.quantized else ""
-    print(f"{kind} attention ({loaded_build()} build, {args.dtype}{cache}): {len(lens)} sequences, {int(lens.sum())} keys, "
+    print(f"{kind} attention ({loaded_build()} build, {args.dtype}{cache}): {len(lens)} sequences, "
+          f"{int(lens.sum())} keys, "
           f"{args.layers} layers "
           f"({'hot' if args.hot else 'cold'}), K/V {kv_bytes / 1e6:.0f} MB a step, K layout {list(shape)}")
     base = statistics.median(times["pagoda"])

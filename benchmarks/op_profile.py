@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     reqs = [BenchRequest(r.prompt_token_ids, args.output_len)
             for r in synthetic_chat_requests(llm.get_tokenizer(), num_prompts=args.concurrency, seed=0)]
     a8 = "+a8" if args.quantization and args.int4_activations == "int8" else ""
-    print(f"{llm.engine.runner.policy.kernel_set} kernels, {args.dtype}, {args.quantization or 'dense'}{a8}, KV {args.kv_cache_dtype}: "
+    print(f"{llm.engine.runner.policy.kernel_set} kernels, {args.dtype}, {args.quantization or 'dense'}{a8}, "
+          f"KV {args.kv_cache_dtype}: "
           f"{run_engine(llm, reqs).output_tok_s:.1f} tok/s unprofiled")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run_engine(llm, reqs)

@@ -105,7 +105,8 @@ def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[s
 
 def _quant_kernels(ws: list[PackedWeight], dtype: torch.dtype = torch.bfloat16) -> dict[str, LayerCall]:
     """Quantized layers and LM head: the row-major streaming kernels first; then each panel layout the build has;
-    INT4 with INT8 activations (int4_activations="int8"); with fp32 activations, oneDNN on the dequantized fp32 weights last (what the float model runs)."""
+    INT4 with INT8 activations (int4_activations="int8"); with fp32 activations, oneDNN on the dequantized fp32
+    weights last (what the float model runs)."""
     out: dict[str, LayerCall] = {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True)}
     width = vpanel_width()
     if all(pw.out_features % width == 0 for pw in ws):

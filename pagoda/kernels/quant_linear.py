@@ -7,10 +7,10 @@ min m is the offset directly). With bf16 or fp32 activations, where the build ha
 "panels16") for one C++ kernel at every row count (cpu/quant_panel_linear.cpp). Elsewhere (other builds: avx2,
 Arm; shapes the panels cannot take) the portable row-major kernel (cpu/quant_linear.cpp) runs, also at every row
 count, with fp32 sums. On request (config `int4_activations="int8"`), INT4 layers quantize their activations to INT8
-per 32 columns and compute with integer dot products: layout "interleave8" (8 interleaved rows: VNNI's vpdpbusd, or
-AVX2's vpmaddubsw) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute the same sums. Shapes the
-kernels cannot take (K or group not a multiple of 32), a missing build, or another device use the torch fallback
-(`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
+per 32 columns and compute with integer dot products: layout "interleave8" (8 interleaved rows: VNNI's vpdpbusd,
+or AVX2's vpmaddubsw) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute the same
+sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another device use the
+torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
 
 Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
 output in one order at every row count, and the fallback multiplies through oneDNN with at least two rows
@@ -306,10 +306,10 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with `int4_activations="int8"`
-    (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel (AVX2 or VNNI; K a multiple of 64;
-    rows a multiple of 8), else rows_a8 (the row-major AVX2 kernel); otherwise, with bf16 or fp32 activations, every format
-    takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products,
-    or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes)."""
+    (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel (AVX2 or VNNI; K a multiple of
+    64; rows a multiple of 8), else rows_a8 (the row-major AVX2 kernel); otherwise, with bf16 or fp32 activations,
+    every format takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot
+    products, or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes)."""
     if int4_activations not in ("int8", "float"):
         raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
     if pw.layout != "rows" or not cpp_supported(pw):
