@@ -410,18 +410,22 @@ def test_panel_layouts_round_trip():
 
 @_PANELS
 def test_quant_model_sweep_times_panels_against_the_row_major_kernels():
-    """`quant_kernels --model-sweep int4|fp8`: both kernels compute the same product, layers and head."""
+    """`quant_kernels --model-sweep int4|fp8`: every kernel computes the same product, layers and head (INT8
+    activations within their rounding)."""
     from benchmarks.quant_kernels import _quant_kernels
 
     ws = [_case("int4", 128, 32, False, 64)[0], _case("int8", 64, 48, False)[0], _case("fp8", 64, 16, False)[0]]
     kernels = _quant_kernels(ws)
-    assert list(kernels) == ["row-major", "panels"]
+    assert list(kernels) == ["row-major", "panels", "int8-act"]
     for m in (1, 21):
         for i, pw in enumerate(ws):
             x = torch.randn(m, pw.in_features).bfloat16()
             ref = _ref(x.float(), pw, None)
-            for fn in kernels.values():
-                torch.testing.assert_close(fn(x, i).float(), ref, atol=2e-2, rtol=1e-2)
+            for name, fn in kernels.items():
+                if name == "int8-act" and pw.format == "int4":
+                    assert ((fn(x, i).float() - ref).norm() / ref.norm()).item() < 3e-2
+                else:
+                    torch.testing.assert_close(fn(x, i).float(), ref, atol=2e-2, rtol=1e-2)
 
 
 def test_linear_formats_come_from_the_header_cpp_compiles():
