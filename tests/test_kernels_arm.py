@@ -2,8 +2,9 @@
 silicon under Linux): every source through the aarch64 cross compiler that scripts/install.sh installs, with the
 flags and torch headers of the real build. The x86 paths are behind their ISA's macros, so what compiles here is
 the portable code the x86 tests also run where their vector paths don't apply. The few ISA-specific steps of that
-portable code (simd.h's FMA, widening loads, bf16 conversions, exp and horizontal sum; quant_decode.h) run under
-qemu against their definition, lane by lane (tests/simd/simd_check.cpp), as they do natively on x86."""
+portable code (simd.h's FMA, widening loads, bf16 conversions, exp and horizontal sum; quant_decode.h) and the INT4 x
+INT8-activation kernel (int4x8_i8.h, sdot) run under qemu against their definition, lane by lane
+(tests/simd/simd_check.cpp), as they do natively on x86."""
 from __future__ import annotations
 
 import shutil
@@ -23,6 +24,7 @@ KERNELS = Path(cpu_extension.__file__).parent / "cpu"
 SOURCES = sorted(KERNELS.glob("*.cpp"))
 SIMD_CHECK = Path(__file__).parent / "simd" / "simd_check.cpp"
 CHECKS = 23  # simd_check's lines: 3 formats x 6 steps, the transpose, bf16 store, bf16 load and round, vexp, fp16
+I8_CHECKS = 3  # and the INT4 x INT8-activation kernel at 3 row counts, where the target has it (x86, Arm dotprod)
 
 
 @pytest.mark.skipif(shutil.which(CXX) is None, reason=f"{CXX} not installed (scripts/install.sh installs it)")
@@ -55,7 +57,9 @@ def _run_simd_check(cxx: str, march: str, tmp_path: Path, runner: list[str]) -> 
                     reason=f"{CXX} or {QEMU} not installed (scripts/install.sh installs them)")
 def test_neon_steps_compute_their_definition_under_qemu(tmp_path: Path) -> None:
     out = _run_simd_check(CXX, "armv8-a", tmp_path, [QEMU, "-L", "/usr/aarch64-linux-gnu"])
-    assert out.startswith("W=4\n") and out.count("ok ") == CHECKS  # NEON: one q register
+    assert out.startswith("W=4\n") and out.count("ok ") == CHECKS  # NEON: one q register; no sdot
+    out = _run_simd_check(CXX, "armv8.2-a+dotprod", tmp_path, [QEMU, "-L", "/usr/aarch64-linux-gnu"])
+    assert out.count("ok ") == CHECKS + I8_CHECKS and "ok int4x8 int8-activation kernel, 6 rows" in out
 
 
 @pytest.mark.parametrize("march,lanes", [("x86-64-v3", 8), ("native", 16)])
@@ -67,4 +71,4 @@ def test_x86_steps_compute_their_definition(tmp_path: Path, march: str, lanes: i
     if march == "x86-64-v3" and not cpu_features.has_x86_64_v3():
         pytest.skip("needs an x86-64-v3 CPU")
     out = _run_simd_check("g++", march, tmp_path, [])
-    assert out.startswith(f"W={lanes}\n") and out.count("ok ") == CHECKS
+    assert out.startswith(f"W={lanes}\n") and out.count("ok ") == CHECKS + I8_CHECKS

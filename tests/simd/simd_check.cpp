@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "int4x8_i8.h"
 #include "quant_decode.h"
 #include "simd.h"
 #include "vec_bf16.h"
@@ -164,6 +165,76 @@ void check_half() {
   expect("fp16 load", got, want, 4 * W);
 }
 
+#if defined(PAGODA_INT4X8_I8)
+// The INT4 x INT8-activation kernel (int4x8_i8.h) against its definition: per output, one chain over the 32-column
+// halves in k order of fma(integer sum of code * xq, s * a), then fma(offset, group sum of x) per group, plus the
+// bias; codes and activations packed as kernels/quant_linear.py's interleave8 and quantize_x_i8 lay them out. 16
+// output rows (two blocks), K = 128 in groups of 32; the largest codes and activations included.
+template <int M, int R>
+void check_int4x8(uint32_t& state) {
+  constexpr int N = 16, K = 128, G = 4, gs = 32;
+  auto next = [&] { return state = state * 1664525u + 1013904223u; };
+  uint8_t code[N][K];
+  int8_t xq[M][K];
+  float s[N][G], o[N][G], bias[N], xa[M][K / 32], xs[M][G];
+  for (auto& row : code)
+    for (uint8_t& c : row) c = next() >> 28;
+  for (auto& row : xq)
+    for (int8_t& v : row) v = static_cast<int8_t>(static_cast<int>(next() >> 24) % 255 - 127);
+  for (int c = 0; c < 32; ++c) { code[0][c] = 15; xq[0][c] = 127; }  // int16 sums at their largest
+  for (int n = 0; n < N; ++n) {
+    bias[n] = static_cast<float>(next() >> 20) / 4096.f - 128.f;
+    for (int g = 0; g < G; ++g) {
+      s[n][g] = static_cast<float>(next() >> 8) * 1e-9f;
+      o[n][g] = -static_cast<float>(next() >> 8) * 7e-9f;
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (float& a : xa[m]) a = static_cast<float>(next() >> 8) * 3e-8f;
+    for (float& v : xs[m]) v = static_cast<float>(next() >> 8) * 1e-6f - 8.f;
+  }
+  // interleave8: block b, chunk c, step t, row j, byte i = row b*8+j's byte 32c + 4t + i (low nibble: the even
+  // column); scales and offsets [N / 8, G, 8]; x per 64 columns [even | odd].
+  uint8_t w[N / 8][4 * K];
+  float sp[N / 8][G][8], op[N / 8][G][8];
+  for (int b = 0; b < N / 8; ++b)
+    for (int j = 0; j < 8; ++j) {
+      const int n = 8 * b + j;
+      for (int c = 0; c < K / 64; ++c)
+        for (int t = 0; t < 8; ++t)
+          for (int i = 0; i < 4; ++i) {
+            const int col = 64 * c + 2 * (4 * t + i);
+            w[b][((c * 8 + t) * 8 + j) * 4 + i] = static_cast<uint8_t>(code[n][col] | code[n][col + 1] << 4);
+          }
+      for (int g = 0; g < G; ++g) { sp[b][g][j] = s[n][g]; op[b][g][j] = o[n][g]; }
+    }
+  int8_t xp[M][K];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < K / 64; ++c)
+      for (int e = 0; e < 32; ++e) {
+        xp[m][64 * c + e] = xq[m][64 * c + 2 * e];
+        xp[m][64 * c + 32 + e] = xq[m][64 * c + 2 * e + 1];
+      }
+  float got[M][N], want[M][N];
+  pagoda_i8::blocks_int4x8_i8<M, R, float>(&w[0][0], &sp[0][0][0], &op[0][0][0], bias, &xp[0][0], &xa[0][0],
+                                          &xs[0][0], &got[0][0], N, K, G, gs, 0, N / 8);
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      float acc = 0.f;
+      for (int h = 0; h < K / 32; ++h) {
+        int32_t sum = 0;
+        for (int c = 32 * h; c < 32 * h + 32; ++c) sum += code[n][c] * xq[m][c];
+        acc = std::fma(static_cast<float>(sum), s[n][h * 32 / gs] * xa[m][h], acc);
+      }
+      for (int g = 0; g < G; ++g) acc = std::fma(o[n][g], xs[m][g], acc);
+      want[m][n] = acc + bias[n];
+    }
+  char what[48];
+  std::snprintf(what, sizeof(what), "int4x8 int8-activation kernel, %d rows", M);
+  expect(what, &got[0][0], &want[0][0], M * N);
+}
+#endif
+
 }  // namespace
 
 int main() {
@@ -184,5 +255,10 @@ int main() {
   check_transpose();
   check_bf16_and_exp(x);
   check_half();
+#if defined(PAGODA_INT4X8_I8)
+  check_int4x8<1, 2>(state);
+  check_int4x8<3, 1>(state);
+  check_int4x8<pagoda_i8::kRows, 1>(state);
+#endif
   return failures ? 1 : 0;
 }

@@ -41,6 +41,9 @@ std::string build_isa() {
 #if defined(__ARM_NEON)
   add("asimd");
 #endif
+#if defined(__ARM_FEATURE_DOTPROD)
+  add("asimddp");  // sdot: the INT4 x INT8-activation kernel
+#endif
 #if defined(__ARM_FEATURE_SVE)
   add("sve");
 #endif

@@ -6,7 +6,7 @@
 //   int4: codes 0..15 packed two per byte [N, K/2], low nibble = even k (pagoda int4_format)
 //   int8: int8 codes [N, K] (per-channel: group = K; GGUF Q8_0: group = 32)
 //   fp8:  float8 e4m3fn bytes [N, K], per-channel scale
-//   int4x8: int4 codes in blocks of 8 rows [N/8, 4K], scales/offsets [N/8, G, 8] (blocks_int4x8_i8: VNNI or AVX2)
+//   int4x8: int4 codes in blocks of 8 rows [N/8, 4K], scales/offsets [N/8, G, 8] (int4x8_i8.h: VNNI, AVX2 or Arm sdot)
 //   int4a8: int4 codes as int4 (rows_int4_a8, AVX2: the shapes int4x8 cannot take)
 //   the two formats that quantize activations (to int8 per 32 columns), chosen by the user
 //
@@ -18,8 +18,8 @@
 // together, and whether a block of weight rows is dequantized once into a tile that stays in cache (more rows
 // than one pass takes: the same weights, loaded instead of decoded again).
 // ISA-specific kernels where they measurably pay: INT4 with bf16 activations on AVX512-BF16 (rows_int4_bf16),
-// INT4 with INT8 activations on AVX512-VNNI and AVX2 (blocks_int4x8_i8; rows_int4_a8 for other shapes). With bf16 or fp32
-// activations the panel kernels (quant_panel_linear.cpp with AVX512-BF16, else the portable
+// INT4 with INT8 activations on AVX512-VNNI, AVX2 and Arm's sdot (int4x8_i8.h; rows_int4_a8 for other shapes). With
+// bf16 or fp32 activations the panel kernels (quant_panel_linear.cpp with AVX512-BF16, else the portable
 // quant_vpanel_linear.cpp) take every shape they can; these take the rest.
 
 #include <ATen/Parallel.h>
@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "dispatch_rows.h"
+#include "int4x8_i8.h"
 #include "linear_formats.h"
 #include "ops.h"
 #include "quant_decode.h"
@@ -255,12 +256,11 @@ void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
   });
 }
 
-
-#if defined(__AVX2__) && defined(__FMA__)
 // x quantized to int8 per row and 32 columns, as llama.cpp's Q8 blocks are: scale a = max|x| / 127 (xa [M, K / 32]),
 // round to nearest; each `chunk` columns (32 or 64: the kernel's nibble order) stored [even | odd]. xs: exact fp32
-// sums of x per group of gs columns, for the offsets. Vectorized and over both threads: over SmolLM2's linears at 512
-// rows the INT8 kernel ran 1.12x (AVX2) and 1.15x (AVX-512) faster than with a scalar loop.
+// sums of x per group of gs columns, for the offsets. On x86 vectorized and over both threads (over SmolLM2's linears
+// at 512 rows the INT8 kernel ran 1.12x on AVX2 and 1.15x on AVX-512 faster than with the scalar loop); elsewhere
+// the scalar loop, which is the definition both follow.
 struct QuantizedX {
   std::vector<int8_t> xq;
   std::vector<float> xa, xs;
@@ -271,6 +271,7 @@ QuantizedX quantize_x_i8(const at::Tensor& x, int64_t chunk, int64_t gs) {
   const float* src = xf.data_ptr<float>();
   const int64_t M = xf.size(0), K = xf.size(1);
   QuantizedX q{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), pagoda_simd::group_sums(src, M, K, gs)};
+#if defined(__AVX2__)
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
@@ -308,14 +309,34 @@ QuantizedX quantize_x_i8(const at::Tensor& x, int64_t chunk, int64_t gs) {
       }
     }
   });
+#else
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = src + m * K;
+    float* a = q.xa.data() + m * K / 32;
+    for (int64_t k = 0; k < K; k += 32) {
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::abs(r[k + j]));
+      a[k / 32] = amax / 127.f;
+    }
+    int8_t* d = q.xq.data() + m * K;
+    for (int64_t k = 0; k < K; k += chunk)
+      for (int64_t j = 0; j < chunk / 2; ++j) {
+        const float sa = a[(k + 2 * j) / 32];  // columns 2j and 2j + 1 share a 32-column block
+        const float inv = sa > 0.f ? 1.f / sa : 0.f;
+        d[k + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j] * inv));
+        d[k + chunk / 2 + j] = static_cast<int8_t>(std::nearbyint(r[k + 2 * j + 1] * inv));
+      }
+  }
+#endif
   return q;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
 // INT4 weights (row-major, as kInt4) times INT8 activations on AVX2 (fmt kInt4a8): what the shapes int4x8 cannot
-// take (rows not in blocks of 8, K not a multiple of 64) run for int4_activations="int8", llama.cpp's Q4 x Q8. Per 32 columns a row's 16 bytes become 32 codes
-// [low nibbles | high nibbles] = [even | odd columns], matching x's [even | odd] int8 block; vpmaddubsw multiplies
-// unsigned codes by signed activations into 16-bit pairs (|sum| <= 2 * 15 * 127: no saturation), vpmaddwd sums
-// pairs to 8 int32, and one FMA adds them scaled by s * a. One chain per (weight row, activation row), summed in a
+// take (rows not in blocks of 8, K not a multiple of 64) run for int4_activations="int8", llama.cpp's Q4 x Q8. Per
+// 32 columns a row's 16 bytes become 32 codes [low nibbles | high nibbles] = [even | odd columns], matching x's
+// [even | odd] int8 block; vpmaddubsw multiplies unsigned codes by signed activations into 16-bit pairs (|sum| <=
+// 2 * 15 * 127: no saturation), vpmaddwd sums pairs to 8 int32, and one FMA adds them scaled by s * a. One chain per (weight row, activation row), summed in a
 // fixed order at the end whatever the row count (batch invariance); four weight rows at a time at one row.
 using pagoda_simd::hsum8;
 
@@ -364,115 +385,6 @@ void rows_int4_a8(const uint8_t* w, int64_t row_bytes, const float* scales, cons
 #define PAGODA_INT4_A8 1
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-// INT4 weights times INT8 activations over an 8-row interleaved layout (fmt kInt4x8; K % 64 == 0).
-// x is quantized per row and 32 columns to int8 with its own scale a (symmetric, round to nearest), as
-// llama.cpp's Q8 blocks are, so each 32 columns' dot product is an integer: y += s * a * sum(code * xq).
-// Layout (int4x8): for each block of 8 weight rows and 64-column chunk, 8 vectors of 32 bytes; vector t
-// holds bytes [4t, 4t + 4) of the chunk's 32 bytes from each of the 8 rows (row j in 32-bit lane j).
-// Every lane is one output row, so the group's 8 scales, offsets and the outputs are single vector loads
-// and stores: no per-row horizontal sums or scalar scale work, which dominate a row layout at small groups.
-// xq holds each 64-column chunk as [even | odd] columns: the low nibbles of bytes [4t, 4t + 4) are even
-// columns 8t..8t+6, the high nibbles the odd ones.
-// The integer sums are exact whatever the instructions: the VNNI build (vpdpbusd: 4 codes x 4 broadcast
-// activation bytes into each int32 lane) and the AVX2 one (I8Dot below) compute the same ones, and each
-// 32-column half's float step (cvt, times s * a, into one chain per output in k order) is the same at every
-// row count (batch invariance).
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(c10::BFloat16* p, __m256 v) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
-#else
-  alignas(32) float f[8];
-  _mm256_store_ps(f, v);
-  for (int j = 0; j < 8; ++j) p[j] = c10::BFloat16(f[j]);  // round to nearest even, as cvtneps
-#endif
-}
-
-// One 32-column half's integer sums per row (8 lanes): add(lo, xlo, hi, xhi) takes 4 codes from each nibble per
-// lane against 4 broadcast activation bytes each; sums() widens them to int32.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-struct I8Dot {
-  __m256i i = _mm256_setzero_si256();
-  inline void add(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
-    i = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(i, lo, xlo), hi, xhi);
-  }
-  inline __m256i sums() const { return i; }
-};
-constexpr int64_t kI8Rows = 8;  // activation rows per pass: 8 int32 chains + 8 fp32 sums in 32 registers
-#else
-// AVX2: vpmaddubsw multiplies unsigned codes by signed activations into 16-bit pairs (|pair| <= 2 * 15 * 127), kept
-// in int16 over the half's 4 steps (|sum| <= 16 * 15 * 127 = 30480 < 2^15: exact) and widened once by vpmaddwd:
-// 2 instructions per 32 products where vpdpbusd takes 1 per 32, against fp32's 4 FMAs.
-struct I8Dot {
-  __m256i i = _mm256_setzero_si256();
-  inline void add(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
-    i = _mm256_add_epi16(i, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)));
-  }
-  inline __m256i sums() const { return _mm256_madd_epi16(i, _mm256_set1_epi16(1)); }
-};
-constexpr int64_t kI8Rows = 6;  // 6 int16 chains + 6 fp32 sums + codes and broadcasts in AVX2's 16 registers
-#endif
-
-template <int M, int R, typename O>
-void blocks_int4x8_i8(const uint8_t* w, const float* scales, const float* offsets, const float* bias,
-                      const int8_t* xq, const float* xa, const float* xs, O* y, int64_t ldy, int64_t K, int64_t G,
-                      int64_t gs, int64_t b0, int64_t b1) {
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  const int64_t block_bytes = 4 * K;  // 8 rows x K / 2
-  const int64_t ahead = std::max<int64_t>(2, (8192 + block_bytes - 1) / block_bytes);
-  int64_t b = b0;
-  for (; b + R <= b1; b += R) {
-    __m256 acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 64) {
-      // The blocks ~8 KiB ahead into L2, all four lines of this chunk: with the hardware prefetcher
-      // alone this loop waits on memory (1.5-1.8x slower streaming at M = 1; into L1 measured worse).
-      for (int r = 0; r < R; ++r)
-        for (int line = 0; line < 4; ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (b + r + ahead) * block_bytes + k * 4 + 64 * line), _MM_HINT_T1);
-      for (int half = 0; half < 2; ++half) {  // columns [k, k + 32), then [k + 32, k + 64): one chain each
-        I8Dot dot[R][M];
-        for (int t = 4 * half; t < 4 * half + 4; ++t) {
-          __m256i xlo[M], xhi[M];
-          for (int m = 0; m < M; ++m) {
-            xlo[m] = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * K + k + 4 * t));
-            xhi[m] = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * K + k + 32 + 4 * t));
-          }
-          for (int r = 0; r < R; ++r) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b + r) * block_bytes + k * 4 + 32 * t));
-            const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            for (int m = 0; m < M; ++m) dot[r][m].add(lo, xlo[m], hi, xhi[m]);
-          }
-        }
-        const int64_t g = (k + 32 * half) / gs;  // the weight group of this half (the two differ at gs = 32)
-        for (int r = 0; r < R; ++r) {
-          const __m256 s = _mm256_loadu_ps(scales + ((b + r) * G + g) * 8);
-          for (int m = 0; m < M; ++m) {
-            const float a = xa[m * (K / 32) + k / 32 + half];  // the half's activation scale
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][m].sums()), _mm256_mul_ps(s, _mm256_set1_ps(a)),
-                                        acc[r][m]);
-          }
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      if (offsets)
-        for (int64_t g = 0; g < G; ++g) {
-          const __m256 o = _mm256_loadu_ps(offsets + ((b + r) * G + g) * 8);
-          for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[m * G + g]), acc[r][m]);
-        }
-      const __m256 bv = bias ? _mm256_loadu_ps(bias + (b + r) * 8) : _mm256_setzero_ps();
-      for (int m = 0; m < M; ++m) store8(y + m * ldy + (b + r) * 8, _mm256_add_ps(acc[r][m], bv));
-    }
-  }
-  if constexpr (R > 1) {
-    if (b < b1) blocks_int4x8_i8<M, 1, O>(w, scales, offsets, bias, xq, xa, xs, y, ldy, K, G, gs, b, b1);
-  }
-}
-#define PAGODA_INT4_I8 1
-#endif
 
 bool quant_linear_supported(int64_t K, int64_t group_size) {
   return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;  // 2W columns a step (W <= 16)
@@ -579,7 +491,7 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
 #endif
 
 bool int4x8_supported(int64_t K, int64_t group_size) {
-#if defined(PAGODA_INT4_I8)
+#if defined(PAGODA_INT4X8_I8)
   return K % 64 == 0 && quant_linear_supported(K, group_size);
 #else
   (void)K;
@@ -598,8 +510,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   // int4x8 (kInt4x8) stores blocks of 8 rows: w [N / 8, 8 * K / 2].
   const int64_t M = x.size(0), K = x.size(1), N = fmt == kInt4x8 ? 8 * w.size(0) : w.size(0);
   TORCH_CHECK(quant_linear_supported(K, group_size), "quant_linear: unsupported K/group size");
-  TORCH_CHECK(fmt != kInt4x8 || int4x8_supported(K, group_size), "quant_linear: int4x8 needs AVX2, K a "
-              "multiple of 64 and of the group size");
+  TORCH_CHECK(fmt != kInt4x8 || int4x8_supported(K, group_size), "quant_linear: int4x8 needs AVX2 or Arm's "
+              "dot products, K a multiple of 64 and of the group size");
   const int64_t row_bytes = fmt == kInt4 || fmt == kInt4a8 ? K / 2 : K;
   const int64_t G = K / group_size;
   TORCH_CHECK(fmt != kInt4a8 || int4a8_supported(K, group_size), "quant_linear: int4a8 needs AVX2");
@@ -614,7 +526,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                 "quant_linear: bias fp32 [N]");
   // Written in x's dtype by the kernels (one rounding of the fp32 sum).
   auto y = at::empty({M, N}, x.options());
-#if defined(PAGODA_INT4_I8)
+#if defined(PAGODA_INT4X8_I8)
   if (fmt == kInt4x8) {
     const QuantizedX q = quantize_x_i8(x, 64, group_size);  // each 64-column chunk [even | odd]
     const auto* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
@@ -623,12 +535,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     auto go = [&](auto* yp) {
       using O = std::remove_pointer_t<decltype(yp)>;
-      // Blocks of 8 weight rows in parallel; within a task every kI8Rows-row chunk of x reuses them from cache.
-      at::parallel_for(0, N / 8, M <= kI8Rows ? 8 : 2, [&](int64_t p0, int64_t p1) {
-        for (int64_t m0 = 0; m0 < M; m0 += kI8Rows)
-          dispatch_m(std::min(kI8Rows, M - m0), [&](auto c) {
+      // Blocks of 8 weight rows in parallel; within a task every kRows-row chunk of x reuses them from cache.
+      constexpr int64_t kRows = pagoda_i8::kRows;
+      at::parallel_for(0, N / 8, M <= kRows ? 8 : 2, [&](int64_t p0, int64_t p1) {
+        for (int64_t m0 = 0; m0 < M; m0 += kRows)
+          dispatch_m(std::min(kRows, M - m0), [&](auto c) {
             constexpr int Mc = decltype(c)::value, R = Mc == 1 ? 2 : 1;  // two blocks in flight at M = 1
-            blocks_int4x8_i8<Mc, R, O>(wp, sp, op, bp, q.xq.data() + m0 * K, q.xa.data() + m0 * K / 32,
+            pagoda_i8::blocks_int4x8_i8<Mc, R, O>(wp, sp, op, bp, q.xq.data() + m0 * K, q.xa.data() + m0 * K / 32,
                                        q.xs.data() + m0 * G, yp + m0 * N, N, K, G, group_size, p0, p1);
           });
       });
