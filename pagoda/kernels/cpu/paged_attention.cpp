@@ -389,7 +389,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #endif
     {
     // Gather the chunk: K transposed to [D][KC] fp32, V as row pointers (fp32 cache
-    // is read in place; bf16 is converted into scratch).
+    // is read in place; bf16 and 8-bit rows are converted into scratch).
     {  // K rows staged row-major in fp32 (8-bit ones decoded and scaled), then transposed W x W at a time
       float* Kr = sc.kr.data();
       BlockWalk walk(bt, bs, c0);

@@ -336,8 +336,9 @@ QuantizedX quantize_x_i8(const at::Tensor& x, int64_t chunk, int64_t gs) {
 // take (rows not in blocks of 8, K not a multiple of 64) run for int4_activations="int8", llama.cpp's Q4 x Q8. Per
 // 32 columns a row's 16 bytes become 32 codes [low nibbles | high nibbles] = [even | odd columns], matching x's
 // [even | odd] int8 block; vpmaddubsw multiplies unsigned codes by signed activations into 16-bit pairs (|sum| <=
-// 2 * 15 * 127: no saturation), vpmaddwd sums pairs to 8 int32, and one FMA adds them scaled by s * a. One chain per (weight row, activation row), summed in a
-// fixed order at the end whatever the row count (batch invariance); four weight rows at a time at one row.
+// 2 * 15 * 127: no saturation), vpmaddwd sums pairs to 8 int32, and one FMA adds them scaled by s * a. One chain per
+// (weight row, activation row), summed in a fixed order at the end whatever the row count (batch invariance); four
+// weight rows at a time at one row.
 using pagoda_simd::hsum8;
 
 template <int M, int R, typename O>
@@ -384,7 +385,6 @@ void rows_int4_a8(const uint8_t* w, int64_t row_bytes, const float* scales, cons
 }
 #define PAGODA_INT4_A8 1
 #endif
-
 
 bool quant_linear_supported(int64_t K, int64_t group_size) {
   return K % 32 == 0 && group_size % 32 == 0 && K % group_size == 0;  // 2W columns a step (W <= 16)
