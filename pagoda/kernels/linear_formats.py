@@ -10,9 +10,9 @@ _HEADER = Path(__file__).parent / "cpu" / "linear_formats.h"
 
 QuantFormat = Literal["int4", "int8", "fp8"]  # what one code is (PackedWeight.format)
 # How the codes are laid out (PackedWeight.layout): rows as stored; INT4 in blocks of 8 interleaved rows for the
-# INT8-activation kernel (VNNI or AVX2); INT4 rows as stored for the INT8-activation kernel of the other shapes
-# (rows_a8: the same bytes, read by another kernel); panels of 16 output columns for the bf16 panel kernel; panels
-# of the build's 2W columns for the portable panel kernel (vpanels).
+# INT8-activation kernel (VNNI, AVX2 or Arm sdot); INT4 rows as stored for the INT8-activation kernel of the other
+# shapes (rows_a8: the same bytes, read by another kernel); panels of 16 output columns for the bf16 panel kernel;
+# panels of the build's 2W columns for the portable panel kernel (vpanels).
 Layout = Literal["rows", "interleave8", "rows_a8", "panels16", "vpanels"]
 
 

@@ -8,9 +8,9 @@ min m is the offset directly). With bf16 or fp32 activations, where the build ha
 Arm; shapes the panels cannot take) the portable row-major kernel (cpu/quant_linear.cpp) runs, also at every row
 count, with fp32 sums. On request (config `int4_activations="int8"`), INT4 layers quantize their activations to INT8
 per 32 columns and compute with integer dot products: layout "interleave8" (8 interleaved rows: VNNI's vpdpbusd,
-or AVX2's vpmaddubsw) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute the same
-sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another device use the
-torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
+AVX2's vpmaddubsw or Arm's sdot) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute
+the same sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another device
+use the torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
 
 Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
 output in one order at every row count, and the fallback multiplies through oneDNN with at least two rows
@@ -75,8 +75,8 @@ class PackedWeight:
 
     def interleave8(self) -> PackedWeight:
         """INT4 in layout interleave8, the INT8-activation kernel's: per block of 8 rows and 64 columns,
-        8 vectors whose 32-bit lane j holds 4 bytes of row j, so one VNNI instruction (two on AVX2) advances all 8 rows
-        (cpu/quant_linear.cpp, blocks_int4x8_i8); scales and offsets as [N / 8, G, 8]."""
+        8 vectors whose 32-bit lane j holds 4 bytes of row j, so one VNNI instruction (two on AVX2 and Arm) advances
+        all 8 rows (cpu/int4x8_i8.h); scales and offsets as [N / 8, G, 8]."""
         self._require_row_major("interleave8", "int4", "rows % 8 == 0 and K % 64 == 0",
                                 self.out_features % 8 == 0 and self.in_features % 64 == 0)
         n, k = self.out_features, self.in_features
@@ -306,10 +306,11 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with `int4_activations="int8"`
-    (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel (AVX2 or VNNI; K a multiple of
-    64; rows a multiple of 8), else rows_a8 (the row-major AVX2 kernel); otherwise, with bf16 or fp32 activations,
-    every format takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot
-    products, or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes)."""
+    (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel (AVX2, VNNI or Arm's dot products;
+    K a multiple of 64; rows a multiple of 8), else rows_a8 (the row-major AVX2 kernel); otherwise, with bf16 or fp32
+    activations, every format takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of
+    16): bf16 dot products, or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel
+    computes)."""
     if int4_activations not in ("int8", "float"):
         raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
     if pw.layout != "rows" or not cpp_supported(pw):

@@ -15,7 +15,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -119,17 +118,18 @@ struct I8Dot {
 constexpr int64_t kRows = 6;  // 12 int32 + 12 fp32 q registers of NEON's 32, beside the codes and broadcasts
 #endif
 
-// A float as O: fp32 as is, a 16-bit O as bf16 bits rounded to nearest even (NaN -> 0x7FC0), as c10's cast.
+// 8 sums as O: fp32 as they are; a 16-bit O as bf16 bits rounded as c10 rounds (simd.h's vround_bf16_bits, a lane
+// at a time: 8 outputs per block and row, off the k loop).
 template <typename O>
-inline void store1(O* p, float f) {
+inline void store8(O* p, v8f v) {
   if constexpr (sizeof(O) == 4) {
-    std::memcpy(p, &f, 4);
+    std::memcpy(p, &v, sizeof(v));
   } else {
     static_assert(sizeof(O) == 2, "fp32 or bf16 outputs");
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint16_t h = std::isnan(f) ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    std::memcpy(p, &h, 2);
+    for (int j = 0; j < 8; ++j) {
+      const auto h = static_cast<uint16_t>(pagoda_simd::vround_bf16_bits(pagoda_simd::vsplat(v[j]))[0]);
+      std::memcpy(p + j, &h, sizeof(h));
+    }
   }
 }
 
@@ -183,10 +183,7 @@ void blocks_int4x8_i8(const uint8_t* w, const float* scales, const float* offset
           for (int m = 0; m < M; ++m) acc[r][m] = fma8(o, v8f{} + xs[m * G + g], acc[r][m]);
         }
       const v8f bv = bias ? load8(bias + (b + r) * 8) : v8f{};
-      for (int m = 0; m < M; ++m) {
-        const v8f out = acc[r][m] + bv;
-        for (int j = 0; j < 8; ++j) store1(y + m * ldy + (b + r) * 8 + j, out[j]);
-      }
+      for (int m = 0; m < M; ++m) store8(y + m * ldy + (b + r) * 8, acc[r][m] + bv);
     }
   }
   if constexpr (R > 1) {

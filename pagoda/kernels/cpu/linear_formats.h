@@ -15,7 +15,7 @@ enum LinearFormat : int64_t {
   kInt4 = 0,     // INT4 codes, row-major, groups along K
   kInt8 = 1,     // INT8 codes, row-major
   kFp8 = 2,      // FP8 e4m3 codes, row-major
-  kInt4x8 = 3,   // INT4 in blocks of 8 interleaved rows, INT8 activations (VNNI, or AVX2 vpmaddubsw)
+  kInt4x8 = 3,   // INT4 in blocks of 8 interleaved rows, INT8 activations (VNNI, AVX2 vpmaddubsw, Arm sdot)
   kInt4a8 = 4,   // INT4 row-major (as kInt4), INT8 activations (AVX2 vpmaddubsw; the shapes kInt4x8 cannot take)
   kInt4p = 5,    // INT4 in panels of 16 output columns
   kInt8p = 6,    // INT8 in panels, one byte a code
