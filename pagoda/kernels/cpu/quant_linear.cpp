@@ -259,8 +259,8 @@ void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
 // x quantized to int8 per row and 32 columns, as llama.cpp's Q8 blocks are: scale a = max|x| / 127 (xa [M, K / 32]),
 // round to nearest; each `chunk` columns (32 or 64: the kernel's nibble order) stored [even | odd]. xs: exact fp32
 // sums of x per group of gs columns, for the offsets. On x86 vectorized and over both threads (over SmolLM2's linears
-// at 512 rows the INT8 kernel ran 1.12x on AVX2 and 1.15x on AVX-512 faster than with the scalar loop); elsewhere
-// the scalar loop, which is the definition both follow.
+// at 512 rows the INT8 kernel ran 1.07-1.10x on AVX2 and 1.09-1.10x on AVX-512 faster than with the scalar loop);
+// elsewhere the scalar loop, which is the definition both follow.
 struct QuantizedX {
   std::vector<int8_t> xq;
   std::vector<float> xa, xs;
