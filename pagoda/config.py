@@ -116,8 +116,9 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"  # grammar library: auto (xgrammar, else llguidance), xgrammar, guidance
     # Append the text a grammar forces (JSON keys, punctuation) in one step instead of one step per token.
     structured_outputs_jump_forward: bool = True
-    # auto: the C++ CPU kernels' best build for this CPU, else torch; native / avx2: that build
-    # (-march=native / x86-64-v3, kernels/cpu_extension.py), an error where it can't run; torch: torch ops only
+    # auto: the C++ CPU kernels' best build for this CPU; native / avx2: that build
+    # (-march=native / x86-64-v3, kernels/cpu_extension.py); either is an error where it can't build or run;
+    # torch: torch ops only
     kernels: str = "auto"
     # int8: INT4 layers quantize activations to INT8 and use VNNI dot products (faster, +2% perplexity)
     int4_activations: str = "float"

@@ -336,27 +336,27 @@ def test_kernel_build_dir_is_per_checkout_and_stable(tmp_path):
     assert cpu_extension.build_directory(a) != da
 
 
-@pytest.mark.parametrize("built", [False, True])
-def test_kernel_build_says_so_only_when_it_compiles(monkeypatch, tmp_path, capsys, built):
+def test_kernel_build_says_so_only_when_it_compiles(monkeypatch, tmp_path, capsys):
     from torch.utils import cpp_extension
 
     from pagoda.kernels import cpu_extension
 
-    monkeypatch.setattr(cpu_extension, "_loaded", cpu_extension._Loaded())
-    monkeypatch.setattr(cpu_extension, "build_directory", lambda **kw: tmp_path)
-    if built:
-        (tmp_path / f"{cpu_extension._EXT_NAME}.so").write_bytes(b"")
     calls = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+
+    def fake_load(**kw):
+        calls.append(kw)
+        (tmp_path / f"{kw['name']}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
     build = cpu_extension.best_build()
-    cpu_extension.load(build)
+    flags = cpu_extension.cflags(build)
+    cpu_extension.jit_build("k", [], flags, tmp_path, label=f"{build} build")
     assert calls and cpu_extension.BUILDS[build] in calls[0]["extra_cflags"]
     err = capsys.readouterr().err
-    if built:
-        assert "compiling" not in err
-    else:
-        assert f"pagoda: compiling the CPU kernels' {build} build (once, ~1 min)..." in err
-        assert "pagoda: CPU kernels compiled in" in err
+    assert f"pagoda: compiling the CPU kernels' {build} build (once, ~1 min)..." in err
+    assert "pagoda: CPU kernels compiled in" in err
+    cpu_extension.jit_build("k", [], flags, tmp_path, label=f"{build} build")  # built: loaded as it is
+    assert len(calls) == 1 and "compiling" not in capsys.readouterr().err
 
 
 # ---- bench serve without a server ----------------------------------------------------------------

@@ -193,9 +193,11 @@ class ShmCommunicator:
 
 
 def _require_kernels() -> None:
-    if not cpu_extension.load():
+    try:
+        cpu_extension.load()
+    except cpu_extension.KernelBuildError as e:
         raise RuntimeError("ShmCommunicator needs Pagoda's C++ CPU kernels, which did not build here; "
-                           "TorchDistCommunicator (gloo) works without them")
+                           f"TorchDistCommunicator (gloo) works without them ({e})") from e
 
 
 def _slot_bytes(max_bytes: int) -> int:

@@ -253,6 +253,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 _PLUGINS = {
     "serve": ("pagoda.entrypoints.server.cli", "start the OpenAI-compatible HTTP server"),
     "quantize": ("pagoda.quantization.cli", "write an INT4 (RTN/GPTQ/AWQ) checkpoint calibrated on a text file"),
+    "kernels": ("pagoda.kernels.cli", "build the C++ CPU kernels by hand (pip install does), or show which one loads"),
 }
 _BENCH = {
     "throughput": ("pagoda.bench.throughput", "offline throughput benchmark (vs HF, roofline)"),

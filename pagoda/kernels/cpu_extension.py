@@ -1,21 +1,27 @@
-"""Build and load Pagoda's C++ CPU kernels (pagoda/kernels/cpu/*.cpp) once per process, cached on disk.
+"""Load Pagoda's C++ CPU kernels (pagoda/kernels/cpu/*.cpp) once per process.
 
-The library registers ops under torch.ops.pagoda.*. It compiles for one target of BUILDS: `native`
+The library registers ops under torch.ops.pagoda.*. It is compiled for one target of BUILDS: `native`
 (-march=native: the AVX-512, BF16 and VNNI paths where the CPU has them) or `avx2` (-march=x86-64-v3: AVX2, FMA
 and F16C, no AVX-512: what CPUs without AVX-512 run, and what CI runs on an AVX-512 machine). `best_build` is
 auto's pick from the CPU's features. Both builds register the same ops, so a process holds one: the first load
 decides, and asking for the other one later raises. Which vector paths the loaded build has is `build_isa()`,
-asked of the build itself, never of the CPU. It compiles lazily on first use with torch.utils.cpp_extension
-and is reused by every later process (keyed by source, torch version, flags and, for native, the CPU). When
-it cannot be built, callers use torch fallbacks; whether a model may use it at all is config's `kernels`
-(kernels/policy.py).
+asked of the build itself, never of the CPU.
+
+`pip install` compiles the builds this CPU runs ahead of time (setup.py, into pagoda/kernels/prebuilt/); a library
+whose key (kernels/build_spec.py: sources, torch version, flags, CPU) matches is loaded as it is. Otherwise (a
+source checkout whose kernels changed, another CPU) it is compiled here once, with torch.utils.cpp_extension, into a
+user cache folder that every later process reuses. That build holds an OS lock, which the kernel releases when
+its holder dies, so a build killed half-way is redone by the next process, never waited on. A build that fails is
+an error naming the compiler's output: the torch-only path runs only where config asks for kernels="torch".
 """
 from __future__ import annotations
 
+import fcntl
 import functools
-import hashlib
+import importlib.machinery
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -25,34 +31,30 @@ from pathlib import Path
 import torch
 
 from pagoda.kernels import cpu_features
+from pagoda.kernels.build_spec import (
+    BUILDS,
+    EXT_NAME,
+    LDFLAGS,
+    PREBUILT_DIR,
+    SRC_DIR,
+    best_build,
+    build_key,
+    cflags,
+    prebuilt_name,
+    sources,
+)
 
 logger = logging.getLogger(__name__)
 
-_SRC_DIR = Path(__file__).parent / "cpu"
-_SOURCES = sorted(_SRC_DIR.glob("*.cpp"))
-_HEADERS = sorted(_SRC_DIR.glob("*.h"))  # part of the build hash, not compiled alone
-_EXT_NAME = "pagoda_cpu_kernels"
-# The target of each build. x86-64-v3 is AVX2 + FMA + F16C (+ BMI1/2, LZCNT, MOVBE): every x86 CPU since
-# Haswell / Zen 1, and the ISA torch's own CPU_CAPABILITY=AVX2 kernels are built for.
-BUILDS: dict[str, str] = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
-# -fopenmp: at::parallel_for is a header template whose `omp parallel` is only active
-# when this translation unit is compiled with OpenMP. The .so then needs libgomp.so.1,
-# which resolves to the copy torch already loaded (same soname): one thread pool.
-_CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
-_LDFLAGS = ["-fopenmp"]
+__all__ = ["BUILDS", "KernelBuildError", "best_build", "build_directory", "build_isa", "cflags", "jit_build",
+           "kernel_available", "load", "loaded_build", "loaded_library", "prebuilt_library"]
+
+TUNING_FILE = "tuning.json"  # kernels/tuning.py's table, in the build's cache folder
+BUILT_MARKER = "built.ok"  # written once a build in a cache folder completed: a folder without it is half-built
 
 
-def cflags(build: str) -> list[str]:
-    """The compiler flags of one of BUILDS."""
-    return [BUILDS[build], *_CFLAGS]
-
-
-def best_build() -> str:
-    """auto's build for this CPU: native where it has AVX-512 (its BF16/VNNI paths come with it), avx2 on
-    x86-64-v3 CPUs without AVX-512 (the build CI tests), native elsewhere (the portable vector code for Arm)."""
-    if cpu_features.has_avx512() or not cpu_features.has_x86_64_v3():
-        return "native"
-    return "avx2"
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded; the message ends with the compiler's output."""
 
 
 @dataclass(frozen=True)
@@ -87,42 +89,58 @@ class BuildIsa:
 @dataclass
 class _Loaded:
     build: str | None = None  # the build this process tried (BUILDS), None before the first load
-    ok: bool = False
+    error: KernelBuildError | None = None  # why it did not load (raised again on every later ask)
     isa: BuildIsa = field(default_factory=BuildIsa)
+    library: Path | None = None  # the file loaded: the install's prebuilt library or a cache folder's
 
 
 _lock = threading.Lock()
 _loaded = _Loaded()
 
 
-def build_directory(src_dir: Path = _SRC_DIR, build: str = "native") -> Path:
-    """Per source/torch/flags (and, for native, CPU) build dir, so every process reuses one compiled library.
+def cache_root() -> Path:
+    """The user cache folder of just-in-time builds and kernel tuning tables."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagoda" / "torch_extensions"
 
-    Named <content hash>-<source path hash>: torch's build.ninja records the sources' absolute paths, so
-    two checkouts with the same sources sharing one dir would each see the other's build as stale and
-    recompile it; one dir per checkout keeps each build."""
-    h = hashlib.sha256()
-    for src in (*sorted(src_dir.glob("*.cpp")), *sorted(src_dir.glob("*.h"))):
-        h.update(src.read_bytes())
-    # -march=native builds are CPU specific: a shared home folder must not reuse another CPU's build.
-    cpu = cpu_features.fingerprint() if build == "native" else ""
-    for part in (torch.__version__, " ".join(cflags(build)), " ".join(_LDFLAGS), cpu):
-        h.update(part.encode())
+
+def build_directory(src_dir: Path = SRC_DIR, build: str = "native") -> Path:
+    """The cache folder of `build` compiled from `src_dir` here (also where its tuning table lives).
+
+    Named <key>-<source path hash>: torch's build.ninja records the sources' absolute paths, so two checkouts
+    with the same sources sharing one dir would each see the other's build as stale and recompile it; one dir per
+    checkout keeps each build."""
+    import hashlib
+
     where = hashlib.sha256(str(src_dir.resolve()).encode()).hexdigest()[:8]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagoda" / "torch_extensions"
-    return root / f"{h.hexdigest()[:16]}-{where}"
+    return cache_root() / f"{build_key(build, torch.__version__, src_dir)}-{where}"
+
+
+def prebuilt_library(build: str, src_dir: Path = SRC_DIR) -> Path | None:
+    """The library of `build` that setup.py compiled at install from these very sources, for this torch (and,
+    for native, this CPU); None where there is none (a stale or foreign one does not count)."""
+    name = prebuilt_name(build, build_key(build, torch.__version__, src_dir))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = PREBUILT_DIR / f"{name}{suffix}"
+        if path.is_file():
+            return path
+    return None
 
 
 def load(build: str | None = None) -> bool:
-    """Compile (or reuse) `build` (one of BUILDS; None: the one this process loaded, else best_build()) and
-    register torch.ops.pagoda.*; True on success. Raises when another build was loaded in this process, or
-    where the CPU cannot run the one asked for."""
+    """Load `build` (one of BUILDS; None: the one this process loaded, else best_build()), compiling it first
+    where no library of its key exists, and register torch.ops.pagoda.*; True once loaded. Raises
+    KernelBuildError where it cannot be built or loaded (again on every call), RuntimeError when another build
+    was loaded in this process, ValueError where the CPU cannot run the one asked for."""
     if _loaded.build is not None and (build is None or build == _loaded.build):  # hot path: no lock once decided
-        return _loaded.ok
+        if _loaded.error is not None:
+            raise _loaded.error
+        return True
     with _lock:
         if _loaded.build is not None:
             if build is None or build == _loaded.build:
-                return _loaded.ok
+                if _loaded.error is not None:
+                    raise _loaded.error
+                return True
             raise RuntimeError(f"kernels={build!r}: this process already loaded the C++ kernels' {_loaded.build!r} "
                                "build, and both register torch.ops.pagoda.*: choose the kernels before the first "
                                "engine starts, or run the other build in another process")
@@ -131,58 +149,91 @@ def load(build: str | None = None) -> bool:
             raise ValueError(f"unknown kernel build {build!r}; one of {', '.join(BUILDS)}")
         if build == "avx2" and not cpu_features.has_x86_64_v3():
             raise ValueError("kernels='avx2' needs an x86-64 CPU with AVX2, FMA and F16C")
-        ok, isa = _compile_and_load(build)
-        _loaded.ok, _loaded.isa = ok, isa
-        _loaded.build = build  # only now, so the lock-free check never sees a half-done build
-        return ok
+        try:
+            _loaded.library, _loaded.isa = _load_library(build)
+        except KernelBuildError as e:
+            _loaded.error = e
+        _loaded.build = build  # only now, so the lock-free check never sees a half-done load
+        if _loaded.error is not None:
+            raise _loaded.error
+        return True
 
 
-def _compile_and_load(build: str) -> tuple[bool, BuildIsa]:
+def _load_library(build: str) -> tuple[Path, BuildIsa]:
+    library = prebuilt_library(build)
+    if library is None:
+        library = jit_build(EXT_NAME, sources(), cflags(build), build_directory(build=build), label=f"{build} build")
     try:
-        from torch.utils import cpp_extension
+        torch.ops.load_library(str(library))
+        isa = BuildIsa(frozenset(torch.ops.pagoda.build_isa().split()))
+    except (OSError, RuntimeError, AttributeError) as e:
+        raise KernelBuildError(f"the C++ kernels' {build} build ({library}) did not load: {e}") from e
+    logger.debug("pagoda C++ kernels: %s build from %s", build, library)
+    return library, isa
 
-        build_dir = build_directory(build=build)
-        build_dir.mkdir(parents=True, exist_ok=True)
+
+def jit_build(name: str, srcs: list[Path], flags: list[str], build_dir: Path, label: str = "") -> Path:
+    """Compile `srcs` into `build_dir`/`name`.so (once: a complete build is reused) and return its path; a compile
+    also loads it into this process. One process builds a folder at a time, under an flock that dies with its
+    holder; a folder that a killed build left half-done is wiped and built again."""
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
+    with open(build_dir.parent / f"{build_dir.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"pagoda: waiting for another process compiling the CPU kernels' {label} ({build_dir})...",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.is_file() and (build_dir / BUILT_MARKER).is_file():
+            return library
+        # No other process builds here now: whatever is in the folder is what a killed build left (torch's own
+        # file baton among it, which would make cpp_extension wait forever).
+        for entry in build_dir.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            elif entry.name != TUNING_FILE:  # the tuning table holds for any build of this key
+                entry.unlink()
+        print(f"pagoda: compiling the CPU kernels' {label} (once, ~1 min)...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        # The dir is keyed by content and path, so a missing library means ninja compiles now: say so,
-        # or the first run looks hung for a minute.
-        compiling = not (build_dir / f"{_EXT_NAME}.so").exists()
-        if compiling:
-            print(f"pagoda: compiling the CPU kernels' {build} build (once, ~1 min)...", file=sys.stderr, flush=True)
-        # torch's file baton in build_dir serializes concurrent builds; a later
-        # process finds ninja up to date and only loads the .so.
-        cpp_extension.load(
-            name=_EXT_NAME,
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=cflags(build),
-            extra_ldflags=_LDFLAGS,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-        if compiling:
-            print(f"pagoda: CPU kernels compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        logger.debug("pagoda C++ kernels (%s build) ready in %.1fs (%s)", build, time.perf_counter() - t0, build_dir)
-        if not (hasattr(torch.ops.pagoda, "paged_attention") and hasattr(torch.ops.pagoda, "rms_norm")):
-            return False, BuildIsa()
-        return True, BuildIsa(frozenset(torch.ops.pagoda.build_isa().split()))
-    except Exception as e:  # any build/load failure means: use the torch fallback
-        logger.warning("pagoda C++ kernels (%s build) unavailable (%s: %s); using the pure-torch fallback",
-                       build, type(e).__name__, e)
-        return False, BuildIsa()
+        try:
+            # Compiles with ninja, then loads the library into this process (torch.ops.load_library).
+            cpp_extension.load(name=name, sources=[str(s) for s in srcs], extra_cflags=flags,
+                               extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+                               is_standalone=False, verbose=False)
+        except Exception as e:
+            raise KernelBuildError(_build_failure(label, build_dir, e)) from None
+        (build_dir / BUILT_MARKER).write_text(f"{time.time()}\n")
+        print(f"pagoda: CPU kernels compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        return library
+
+
+def _build_failure(label: str, build_dir: Path, e: Exception) -> str:
+    """The error of a failed build, ending with the tail of the compiler's output (torch's message holds it)."""
+    lines = str(e).strip().splitlines()
+    tail = "\n".join(lines[-40:])
+    return (f"the C++ CPU kernels' {label} failed to compile in {build_dir} ({type(e).__name__}); "
+            f"kernels='torch' runs without them, slower. The compiler said:\n{tail}")
 
 
 def kernel_available() -> bool:
-    """True when the C++ kernels are compiled and loaded (triggers the lazy build of best_build() once)."""
+    """True once the C++ kernels are loaded (loads best_build() on the first call; raises where it cannot)."""
     return load()
 
 
 def build_isa() -> BuildIsa:
-    """The instruction sets of the loaded build (none where none loaded): what its vector paths need."""
+    """The instruction sets of the loaded build: what its vector paths need."""
     load()
     return _loaded.isa
 
 
+def loaded_library() -> Path | None:
+    """The file of the loaded build: the install's prebuilt library or a cache folder's (None where none loaded)."""
+    return _loaded.library if loaded_build() is not None else None
+
+
 def loaded_build() -> str | None:
     """The build this process loaded (BUILDS), or None where none is loaded."""
-    return _loaded.build if _loaded.ok else None
+    return _loaded.build if _loaded.build is not None and _loaded.error is None else None

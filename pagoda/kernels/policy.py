@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagoda.kernels.tuning import KernelTuner
 
-# auto: the C++ kernels' best build for this CPU (or the one this process already loaded), else torch;
+# auto: the C++ kernels' best build for this CPU (or the one this process already loaded), an error where it
+# cannot build (never a silent torch fallback);
 # native / avx2: that build of the kernels (cpu_extension.BUILDS), an error where it cannot run; torch: torch only.
 KERNELS = ("auto", "native", "avx2", "torch")
 INT4_ACTIVATIONS = ("float", "int8")
@@ -37,16 +38,13 @@ class KernelPolicy:
         check_kernels(kernels, int4_activations, kernel_tuning)
         if kernels == "torch":
             return cls(cpp=False, int4_activations=int4_activations)
-        cpp = load() if kernels == "auto" else load(kernels)
-        if not cpp and kernels != "auto":  # asked for by name: a silent torch fallback would hide that it never ran
-            raise RuntimeError(f"kernels={kernels!r}: the C++ kernels' {kernels} build did not load (see the warning "
-                               "above)")
+        load(None if kernels == "auto" else kernels)  # raises where it cannot: never a silent torch fallback
         tuner = None
-        if cpp and kernel_tuning == "auto":
+        if kernel_tuning == "auto":
             from pagoda.kernels.tuning import cache_path, shared_tuner
 
             tuner = shared_tuner(cache_path())
-        return cls(cpp=cpp, int4_activations=int4_activations, tuner=tuner)
+        return cls(cpp=True, int4_activations=int4_activations, tuner=tuner)
 
     @property
     def kernel_set(self) -> str:

@@ -111,10 +111,10 @@ def cache_path() -> Path | None:
     PAGODA_TUNING_CACHE names; None where no build is loaded."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    from pagoda.kernels.cpu_extension import build_directory, loaded_build
+    from pagoda.kernels.cpu_extension import TUNING_FILE, build_directory, loaded_build
 
     build = loaded_build()
-    return None if build is None else build_directory(build=build) / "tuning.json"
+    return None if build is None else build_directory(build=build) / TUNING_FILE
 
 
 @dataclass

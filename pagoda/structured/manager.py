@@ -5,12 +5,14 @@ once; a request waits outside the scheduler until its grammar is ready while oth
 Each step fills one bitmask for all constrained rows and applies it to those rows' logits only: the other
 rows of the batch are not touched, so they are bit-identical to a batch without constrained rows.
 
-"auto" compiles with xgrammar and, where xgrammar rejects a constraint, with llguidance: so one batch may hold
-matchers of both. All backends share one bitmask layout (1 bit per token, 32 tokens per int32), so each fills
-its own rows and one kernel applies the whole mask.
+"auto" compiles with xgrammar and, where xgrammar rejects a constraint or is not installed, with llguidance: so
+one batch may hold matchers of both. All backends share one bitmask layout (1 bit per token, 32 tokens per int32),
+so each fills its own rows and one kernel applies the whole mask.
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -24,7 +26,33 @@ from pagoda.structured.backend import GrammarBackend, Matcher
 from pagoda.structured.params import StructuredOutputsParams
 
 BACKENDS = ("auto", "xgrammar", "guidance")
-_TRIED = {"auto": ("xgrammar", "guidance"), "xgrammar": ("xgrammar",), "guidance": ("guidance",)}
+_PACKAGE = {"xgrammar": "xgrammar", "guidance": "llguidance"}  # the library each backend imports
+logger = logging.getLogger(__name__)
+
+
+def _importable(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install, or an import hook that hides it
+        return False
+
+
+def backends_tried(name: str) -> tuple[str, ...]:
+    """The backends `name` (BACKENDS) compiles with, in order. auto is xgrammar then llguidance, or llguidance
+    alone where xgrammar is not installed (it is optional: scripts/install.sh adds it without triton). A backend
+    named on its own must be importable."""
+    if name not in BACKENDS:
+        raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    tried = ("xgrammar", "guidance") if name == "auto" else (name,)
+    present = tuple(b for b in tried if _importable(_PACKAGE[b]))
+    if name != "auto" and not present:
+        raise ValueError(f"structured_outputs_backend={name!r} needs the {_PACKAGE[name]} package, which is not "
+                         f"installed (pip install {_PACKAGE[name]}), or use 'auto'")
+    if not present:
+        raise ValueError("structured outputs need xgrammar or llguidance, and neither is installed")
+    if present != tried:
+        logger.info("structured outputs: xgrammar is not installed; compiling grammars with llguidance")
+    return present
 
 
 @dataclass
@@ -38,9 +66,8 @@ class MaskStats:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, backend: str = "auto", cache_size: int = 512) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
+        self._tried = backends_tried(backend)
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._backends: dict[str, GrammarBackend] = {}
         # The backend that made each type of compiled grammar and matcher (no two backends share a type).
         self._made_by: dict[type, GrammarBackend] = {}
@@ -53,8 +80,8 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> GrammarBackend:
-        """The backend tried first (auto's is xgrammar)."""
-        return self._get(_TRIED[self._backend_name][0])
+        """The backend tried first (auto's is xgrammar where it is installed)."""
+        return self._get(self._tried[0])
 
     def _get(self, name: str) -> GrammarBackend:
         """Built on first use: importing the library and reading the vocabulary takes about a second."""
@@ -90,7 +117,7 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams) -> Any:
         """The first backend's grammar that compiles; if none does, the first one's error (and the others')."""
         errors: list[tuple[str, ValueError]] = []
-        for name in _TRIED[self._backend_name]:
+        for name in self._tried:
             backend = self._get(name)
             try:
                 compiled = backend.compile(params)
@@ -125,7 +152,7 @@ class StructuredOutputManager:
         for i, m in enumerate(matchers):
             groups.setdefault(self._made_by[type(m)], []).append(i)
         # The first backend's kernel applies every row: under auto that is xgrammar's, also for llguidance rows.
-        backend = self._backends.get(_TRIED[self._backend_name][0]) or next(iter(groups))
+        backend = self._backends.get(self._tried[0]) or next(iter(groups))
         bitmask = backend.allocate_bitmask(len(rows))
         if len(groups) == 1:
             next(iter(groups)).fill_bitmask(matchers, bitmask)
