@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -276,3 +278,65 @@ def test_a_killed_rank_ends_the_engine_with_a_clear_error(default_gguf: str, eng
     with pytest.raises(WorkerDiedError, match="rank 1"):
         greedy(llm, max_tokens=4)
     assert time.monotonic() - t0 < 10
+
+
+# ---- start-up: a rank that cannot start fails the caller, a script from stdin starts ---------------------------
+_TP_SCRIPT = """
+import sys, time
+from pagoda import LLM, SamplingParams
+from pagoda.distributed.errors import WorkerDiedError
+t0 = time.monotonic()
+try:
+    llm = LLM(sys.argv[1] if len(sys.argv) > 1 else {model!r}, tensor_parallel_size=2, dtype="float32",
+              kv_cache_memory="8MiB", max_model_len=256)
+except WorkerDiedError as e:
+    print(f"WorkerDiedError after {{time.monotonic() - t0:.1f}} s: {{e}}")
+    sys.exit(3)
+out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print("generated:", len(out[0].outputs[0].token_ids))
+llm.close()
+"""
+# In a spawned rank only (it is unpickling its Process object): importing the worker function's module fails.
+_BREAK_RANK_IMPORT = """
+import multiprocessing, sys
+class _Break:
+    def find_spec(self, name, path=None, target=None):
+        if name == "pagoda.executor.multiproc" and getattr(multiprocessing.current_process(), "_inheriting", 0):
+            raise ImportError("injected: this rank cannot import pagoda.executor.multiproc")
+        return None
+sys.meta_path.insert(0, _Break())
+"""
+
+
+def _run_tp_script(model: str, tmp_path: Path, *, stdin: bool, hook: str | None = None) -> tuple[str, float]:
+    env = dict(os.environ)
+    repo = str(Path(__file__).resolve().parents[1])
+    path = [repo]
+    if hook is not None:
+        (tmp_path / "sitecustomize.py").write_text(hook)
+        path.insert(0, str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")])
+    script = _TP_SCRIPT.format(model=model)
+    t0 = time.monotonic()
+    if stdin:  # `python - < script.py`: spawn cannot re-run a main script that has no file
+        out = subprocess.run([sys.executable, "-"], input=script, env=env, capture_output=True, text=True,
+                             timeout=240)
+    else:
+        (tmp_path / "tp_script.py").write_text(script)  # no `if __name__ == "__main__":` guard
+        out = subprocess.run([sys.executable, str(tmp_path / "tp_script.py")], env=env, capture_output=True,
+                             text=True, timeout=240)
+    return out.stdout + out.stderr, time.monotonic() - t0
+
+
+def test_a_rank_that_cannot_import_fails_the_caller_within_seconds(default_gguf: str, tmp_path: Path) -> None:
+    out, seconds = _run_tp_script(default_gguf, tmp_path, stdin=False, hook=_BREAK_RANK_IMPORT)
+    assert "WorkerDiedError after" in out, out
+    assert "tensor-parallel rank 1 exited during start-up" in out
+    assert "injected: this rank cannot import" in out.split("WorkerDiedError after", 1)[1]  # the rank's own words
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("stdin", [True, False], ids=["script-from-stdin", "script-without-main-guard"])
+def test_tp_starts_from_any_main_script(default_gguf: str, tmp_path: Path, stdin: bool) -> None:
+    out, _ = _run_tp_script(default_gguf, tmp_path, stdin=stdin)
+    assert "generated: 4" in out, out

@@ -12,14 +12,19 @@ than hang.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
+import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed
@@ -139,15 +144,23 @@ class TensorParallelRunner:
         ready = ctx.Queue()
         workers = [ctx.Process(target=_spawned_worker, args=(r, world, config, files, args, name, ready),
                                name=f"pagoda-tp-rank{r}", daemon=True) for r in range(1, world)]
+        outputs: list[RankOutput] = []
         try:
-            for w in workers:
-                w.start()
+            with _main_module_not_rerun():
+                for r, w in enumerate(workers, start=1):
+                    outputs.append(RankOutput.start(w, r))
+            watch = StartupWatch(ready, workers, outputs, comm, _START_TIMEOUT_S)
             bind_cores(0, world)
-            local = ModelRunner(config, files, args, dtype, policy, shards[0], comm)
-            _wait_ready(ready, workers)
+            try:
+                local = ModelRunner(config, files, args, dtype, policy, shards[0], comm)
+            except RuntimeError as e:  # a collective that the watch aborted: say why
+                watch.raise_failure(e)
+                raise
+            watch.wait()
         except BaseException:
             for w in workers:
-                w.kill()
+                if w.pid is not None:  # started
+                    w.kill()
             comm.close()
             raise
         logger.info("tensor parallel: %d ranks on this host, shared-memory collectives", world)
@@ -211,24 +224,116 @@ class TensorParallelRunner:
         self.comm.close()
 
 
-def _wait_ready(ready: mp.Queue, workers: list[mp.process.BaseProcess]) -> None:
-    """Wait until every worker has loaded its shard; a worker's start-up error is raised here with its traceback."""
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    pending = len(workers)
-    while pending:
+@contextlib.contextmanager
+def _main_module_not_rerun() -> Iterator[None]:
+    """spawn runs the parent's main script again in each new process, by its path or module name, before the
+    worker's function: a script without the `if __name__ == "__main__":` guard would start engines in its workers,
+    and one read from standard input cannot be found at all. The workers run pagoda's own function on pagoda's own
+    objects and need nothing of the main script, so it is hidden from spawn while they start."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # spawn reads it, so it must exist
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+@dataclass
+class RankOutput:
+    """A spawned rank's stderr and stdout, passed on to this process's stderr line by line with its rank, and the
+    last lines kept: what the rank said before it died goes into the parent's error."""
+
+    rank: int
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=40))
+
+    @classmethod
+    def start(cls, worker: mp.process.BaseProcess, rank: int) -> RankOutput:
+        """Start `worker` with its fds 1 and 2 on a pipe that a thread of this process reads."""
+        out = cls(rank)
+        read_fd, write_fd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
         try:
-            rank, error = ready.get(timeout=0.5)
-        except queue.Empty:
-            dead = [w for w in workers if not w.is_alive()]
-            if dead:
-                raise WorkerDiedError(f"tensor-parallel worker {dead[0].name} exited during start-up "
-                                      f"(exit code {dead[0].exitcode})") from None
-            if time.monotonic() > deadline:
-                raise WorkerDiedError(f"tensor-parallel workers not ready after {_START_TIMEOUT_S:.0f}s") from None
-            continue
-        if error is not None:
-            raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{error}")
-        pending -= 1
+            # spawn's child inherits fds 1 and 2 as they are at its start; this process keeps its own.
+            os.dup2(write_fd, 1)
+            os.dup2(write_fd, 2)
+            worker.start()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, write_fd):
+                os.close(fd)
+        threading.Thread(target=out._relay, args=(read_fd,), name=f"pagoda-tp-rank{rank}-output",
+                         daemon=True).start()
+        return out
+
+    def _relay(self, fd: int) -> None:
+        with os.fdopen(fd, "r", errors="replace") as pipe:
+            for line in pipe:
+                self.tail.append(line.rstrip("\n"))
+                sys.stderr.write(f"(tp rank {self.rank}) {line}")
+                sys.stderr.flush()
+
+    def last_words(self, grace_s: float = 0.5) -> str:
+        deadline = time.monotonic() + grace_s  # the pipe may still hold the dead rank's last lines
+        while not self.tail and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return "\n".join(self.tail)
+
+
+class StartupWatch:
+    """Watches the spawned ranks while rank 0 loads its own shard. A rank that reports an error, exits, or is not
+    ready by the deadline aborts the communicator, so a collective rank 0 is waiting in raises at once, and the
+    error names that rank with its own words."""
+
+    def __init__(self, ready: mp.Queue, workers: list[mp.process.BaseProcess], outputs: list[RankOutput],
+                 comm: ShmCommunicator, timeout_s: float) -> None:
+        self.failure: str | None = None
+        self._ready, self._workers, self._outputs, self._comm = ready, workers, outputs, comm
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._run, name="pagoda-tp-startup", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pending = set(range(1, len(self._workers) + 1))
+        while pending and self.failure is None:
+            try:
+                rank, error = self._ready.get(timeout=0.1)
+            except queue.Empty:
+                dead = [r for r in sorted(pending) if not self._workers[r - 1].is_alive()]
+                if dead:
+                    r = dead[0]
+                    self._fail(f"tensor-parallel rank {r} exited during start-up (exit code "
+                               f"{self._workers[r - 1].exitcode}). It said:\n{self._outputs[r - 1].last_words()}")
+                elif time.monotonic() > self._deadline:
+                    self._fail(f"tensor-parallel ranks {sorted(pending)} not ready after {self._timeout_s:.0f}s")
+                continue
+            if error is not None:
+                self._fail(f"tensor-parallel rank {rank} failed to start:\n{error}")
+            pending.discard(rank)
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        self._comm.abort(message)
+
+    def raise_failure(self, cause: BaseException) -> None:
+        """Raise WorkerDiedError where a rank failed (`cause`: what that made rank 0's own start raise)."""
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure) from cause
+
+    def wait(self) -> None:
+        """Until every rank is ready; WorkerDiedError where one is not."""
+        self._thread.join()
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
 
 
 # ---- torchrun (several hosts) ----------------------------------------------------------------------

@@ -96,6 +96,10 @@ class GGUFFile:
         # Mapped up front (cheap) so dequantization threads never race to create it.
         self._data: np.memmap = np.memmap(path, dtype=np.uint8, mode="r")
 
+    def __reduce__(self) -> tuple[type[GGUFFile], tuple[str]]:
+        # Sent to another process (a tensor-parallel rank) as its path: pickling the memmap would copy the file.
+        return GGUFFile, (self.path,)
+
     # -- header parsing ---------------------------------------------------------------
     def _need(self, buf: mmap.mmap, off: int, nbytes: int, what: str) -> None:
         if nbytes < 0 or off + nbytes > len(buf):
