@@ -134,3 +134,25 @@ def test_the_real_build_killed_mid_compile_loads_on_the_next_start(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "kernels: " in out.stdout, out.stdout + out.stderr
     assert time.monotonic() - t0 < 600
+
+
+@pytest.mark.slow
+def test_a_wheel_carries_its_kernels_and_generates_without_compiling(tmp_path):
+    """`pip wheel` of the repository, installed into its own folder, generates with the C++ kernels from an empty
+    cache: they were compiled when the wheel was built, not at first use."""
+    repo = Path(__file__).resolve().parents[1]
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w",
+                    str(wheels), str(repo)], check=True, timeout=1200)
+    wheel = next(wheels.glob("pagoda-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(site), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    script = ("import pagoda; from pagoda import LLM, SamplingParams; llm = LLM(); "
+              "out = llm.generate(['Hello'], SamplingParams(max_tokens=4), use_tqdm=False); "
+              "print('from', pagoda.__file__); print('build', llm.engine.runner.policy.kernel_build)")
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"from {site}" in out.stdout and "(installed)" in out.stdout, out.stdout
+    assert "compiling" not in out.stderr

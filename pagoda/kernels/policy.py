@@ -55,6 +55,17 @@ class KernelPolicy:
 
         return build_isa().name
 
+    @property
+    def kernel_build(self) -> str:
+        """Which build of the C++ kernels runs and where its library came from: what /version says."""
+        if not self.cpp:
+            return "none"
+        from pagoda.kernels.cpu_extension import PREBUILT_DIR, loaded_build, loaded_library
+
+        library = loaded_library()
+        origin = "installed" if library is not None and library.parent == PREBUILT_DIR else "compiled on first use"
+        return f"{loaded_build()} ({origin})"
+
 
 TORCH_ONLY = KernelPolicy(cpp=False)
 

@@ -89,6 +89,7 @@ def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> 
     assert "version" in version
     # The kernel set in use, as the start-up log says it
     assert version["cpu_kernels"] == KernelPolicy.resolve().kernel_set != "torch fallback"
+    assert version["cpu_kernels_build"] == KernelPolicy.resolve().kernel_build != "none"
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
 
