@@ -140,7 +140,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     @app.get("/version")
     async def version() -> dict[str, str]:
         policy = core.runner.policy
-        return {"version": pagoda.__version__, "cpu_kernels": policy.kernel_set, "cpu_kernels_build": policy.kernel_build}
+        return {"version": pagoda.__version__, "cpu_kernels": policy.kernel_set,
+                "cpu_kernels_build": policy.kernel_build}
 
     @app.post("/tokenize")
     async def tokenize(req: P.TokenizeRequest) -> P.TokenizeResponse:
