@@ -82,7 +82,7 @@ def test_mask_equals_the_backends_own(smollm_llm: LLM) -> None:
 
     manager = smollm_llm.engine.structured
     compiled = manager.compile(StructuredOutputsParams(json=PERSON)).result()
-    ours, theirs = manager.matcher(compiled), xgr.GrammarMatcher(compiled)
+    ours, theirs = manager.matcher(compiled), xgr.GrammarMatcher(compiled.grammar)
     vocab = smollm_llm.engine.args.vocab_size
     for token in smollm_llm.engine.tokenizer.encode('{"name": "Al', add_special_tokens=False):
         logits = torch.randn(3, vocab)

@@ -121,6 +121,17 @@ def test_bad_tools_are_value_errors_naming_the_field(tools, choice, message: str
         parse_tools(tools, choice, None)
 
 
+def test_a_long_tool_list_is_capped_before_it_is_read() -> None:
+    from pagoda.tools.request import MAX_TOOLS
+
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS)]
+    assert len(parse_tools(tools, "auto", None).functions) == MAX_TOOLS
+    with pytest.raises(ValueError, match=f"at most {MAX_TOOLS} tools"):
+        parse_tools(tools * 60 + [None], "auto", None)  # refused by its count: the bad last tool is never read
+    with pytest.raises(ValueError, match="'f0' is defined twice"):
+        parse_tools(tools[:10] + tools[:1], "auto", None)
+
+
 def test_required_and_named_constraints_accept_exactly_valid_calls() -> None:
     required = json.loads(parse_tools([WEATHER, TIME], "required", None).forced_constraint().json)
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}},
@@ -194,3 +205,14 @@ def test_malformed_history_calls_are_value_errors() -> None:
     bad = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
     with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments"):
         prepare_conversation(bad, None, HERMES, native=False)
+
+
+def test_arguments_nested_past_the_json_parser_are_a_value_error() -> None:
+    from pagoda.tools.formats import prepare_conversation
+
+    deep = "[" * 100_000 + "]" * 100_000
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + deep + "}"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[1\].*arguments: nested too deeply"):
+        prepare_conversation(history, None, HERMES, native=True)

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +37,10 @@ from pagoda.structured.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _NORMALIZER_SLACK = 2
+class ConstraintError(Exception):
+    """A request's grammar cannot go on: that request fails with a 400, the others run on."""
+
+
 _DEAD_GRAMMAR = "structured_outputs: the constraint allows no next token of this model's vocabulary after {} tokens"
 
 
@@ -80,7 +85,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.args.vocab_size,
-                                                  config.structured_outputs_backend)
+                                                  config.structured_outputs_backend,
+                                                  max_model_len=self.max_model_len)
         self._awaiting_grammar: list[Request] = []  # structured requests whose grammar still compiles
         self._step_seqs: list[Sequence] | None = None  # the running step's sequences, failed together if need be
         self.requests: dict[str, Request] = {}
@@ -145,9 +151,15 @@ class LLMEngine:
 
     def compile_structured(self, params: SamplingParams) -> None:
         """Compile the request's grammar now (blocking, thread-safe): a constraint that cannot compile
-        raises ValueError here, so a server can answer 400 before queueing. The result is cached."""
-        if params.constraint is not None:
-            self.structured.compile(params.constraint).result()
+        raises ValueError here, so a caller can refuse it before queueing. The result is cached."""
+        future = self.start_compile(params)
+        if future is not None:
+            future.result()
+
+    def start_compile(self, params: SamplingParams) -> Future | None:
+        """The request's grammar compiling on the grammar pool (None without a constraint): a server awaits
+        it without holding a thread. Its ValueError is the constraint's fault."""
+        return None if params.constraint is None else self.structured.compile(params.constraint)
 
     def _admit_grammars(self) -> list[Request]:
         """Schedule the structured requests whose grammar is ready; return those whose grammar failed."""
@@ -167,8 +179,10 @@ class LLMEngine:
         """Move the matcher past the token just appended (what it forces next waits for _jump_if_forced)."""
         matcher = seq.matcher
         assert matcher is not None
-        if not matcher.accept(seq.token_ids[-1]):
-            raise RuntimeError(f"sampled token {seq.token_ids[-1]} that its grammar forbids")
+        if not matcher.accept(seq.token_ids[-1]):  # the library's mask and matcher disagree, or it gave up
+            raise ConstraintError(f"structured_outputs: the grammar library stopped matching after "
+                                  f"{seq.num_output_tokens} tokens (it allowed token {seq.token_ids[-1]}, then "
+                                  "refused it)")
         if seq.finish_reason is None and matcher.is_terminated():
             seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
 
@@ -446,6 +460,10 @@ class LLMEngine:
             return None
         try:
             return fn(*args)
+        except ConstraintError as e:  # the request's own constraint: a 400 with its reason
+            self._fail_request(req, str(e), 400)
+            touched[req.request_id] = req
+            return None
         except Exception:
             self._request_failed(req.seqs[0], touched)
             return None

@@ -16,6 +16,8 @@ from pagoda.structured.params import StructuredOutputsParams
 class Matcher(Protocol):
     """One sequence's position in its grammar."""
 
+    jump_forward: bool  # whether forced_string searches at all (the manager decides: limits.py)
+
     def accept(self, token_id: int) -> bool:
         """Advance by one emitted token; False if the grammar forbids it (the state is unchanged)."""
 

@@ -33,6 +33,7 @@ class GuidanceMatcher:
         # A stop token is kept here, not given to llguidance: it records one only where the grammar could
         # still go on, so rolling it back would otherwise undo a different number of tokens.
         self._terminated = False
+        self.jump_forward = True
 
     def accept(self, token_id: int) -> bool:
         if int(token_id) in self._stop:
@@ -52,6 +53,8 @@ class GuidanceMatcher:
         return self._terminated
 
     def forced_string(self) -> str:
+        if not self.jump_forward:
+            return ""
         # Forced bytes may end inside a UTF-8 character: keep whole characters only.
         return codecs.getincrementaldecoder("utf-8")().decode(self._m.compute_ff_bytes())
 
@@ -63,7 +66,7 @@ class GuidanceMatcher:
 
     def fork(self) -> GuidanceMatcher:
         copy = GuidanceMatcher(self._m.deep_copy(), self._stop)
-        copy._terminated = self._terminated
+        copy._terminated, copy.jump_forward = self._terminated, self.jump_forward
         return copy
 
 

@@ -12,6 +12,7 @@ so each fills its own rows and one kernel applies the whole mask.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from pagoda.structured.backend import GrammarBackend, Matcher
+from pagoda.structured.limits import JUMP_FORWARD_MAX_CHARS, check_alternatives, json_schema_sizes
 from pagoda.structured.params import StructuredOutputsParams
 
 BACKENDS = ("auto", "xgrammar", "guidance")
@@ -64,12 +66,23 @@ class MaskStats:
     jump_forward_tokens: int = 0  # tokens appended by jump-forward decoding instead of decoded
 
 
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A constraint compiled by one backend, and whether its matchers may search for forced text
+    (jump-forward): only where limits.py bounds how long that text can be, or the backend bounds it itself."""
+    grammar: Any
+    backend: GrammarBackend
+    jump_forward: bool
+
+
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, backend: str = "auto", cache_size: int = 512) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, backend: str = "auto", cache_size: int = 512,
+                 max_model_len: int | None = None) -> None:
+        """`max_model_len`: a JSON schema whose shortest instance cannot fit in this many tokens is refused."""
         self._tried = backends_tried(backend)
-        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._tokenizer, self._vocab_size, self._max_model_len = tokenizer, vocab_size, max_model_len
         self._backends: dict[str, GrammarBackend] = {}
-        # The backend that made each type of compiled grammar and matcher (no two backends share a type).
+        # The backend that made each type of matcher (no two backends share a type).
         self._made_by: dict[type, GrammarBackend] = {}
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()  # building a backend takes a second: cache hits need not wait
@@ -105,7 +118,7 @@ class StructuredOutputManager:
         key = params.key()
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            if fut is not None and not fut.cancelled() and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
                 return fut
             fut = self._pool.submit(self._compile, params)
@@ -114,8 +127,10 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
             return fut
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
-        """The first backend's grammar that compiles; if none does, the first one's error (and the others')."""
+    def _compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
+        """The first backend's grammar that compiles; if none does, the first one's error (and the others').
+        A constraint that limits.py refuses reaches no backend."""
+        bounded = self._check_limits(params)
         errors: list[tuple[str, ValueError]] = []
         for name in self._tried:
             backend = self._get(name)
@@ -124,16 +139,49 @@ class StructuredOutputManager:
             except ValueError as e:
                 errors.append((name, e))
                 continue
-            self._made_by[type(compiled)] = backend
-            return compiled
+            # llguidance bounds its own search for forced text; xgrammar's runs until it ends.
+            return CompiledConstraint(compiled, backend, jump_forward=bounded or name == "guidance")
         first = str(errors[0][1])
         others = "".join(f"; {name}: {str(e).split('does not compile: ', 1)[-1]}" for name, e in errors[1:])
         raise ValueError(first + others)
 
-    def matcher(self, compiled: Any) -> Matcher:
-        backend = self._made_by[type(compiled)]
-        matcher = backend.matcher(compiled)
-        self._made_by.setdefault(type(matcher), backend)
+    def _check_limits(self, params: StructuredOutputsParams) -> bool:
+        """Refuse (ValueError) a JSON schema with no instance that fits the context; True where every forced
+        path of the constraint is short enough to search for (limits.JUMP_FORWARD_MAX_CHARS)."""
+        kind = params.kind
+        if kind == "choice":
+            check_alternatives(len(params.choice or ()), "a choice list")
+            return True  # forced text ends within the longest choice
+        if kind == "json_object":
+            return True  # forced text ends within an object's key
+        if kind in ("regex", "grammar"):
+            return False  # a user's grammar may force text without end ("a" root)
+        schemas = [params.json] if kind == "json" else _tag_schemas(params.structural_tag)
+        bounded = True
+        for text in schemas:
+            try:
+                schema = json.loads(str(text)) if isinstance(text, str) else text
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ValueError(f"structured_outputs: the {kind} is not valid JSON ({type(e).__name__})") from None
+            sizes = json_schema_sizes(schema)
+            if sizes.shortest > self._max_output_chars():
+                what = "has no finite instance (a required property or item refers back to itself)" \
+                    if sizes.shortest == float("inf") else \
+                    f"needs at least {sizes.shortest:.0f} characters, more than the context of " \
+                    f"{self._max_model_len} tokens can hold"
+                raise ValueError(f"structured_outputs: the JSON schema {what}")
+            bounded = bounded and sizes.largest_part <= JUMP_FORWARD_MAX_CHARS
+        return bounded
+
+    def _max_output_chars(self) -> float:
+        if self._max_model_len is None:
+            return float("inf")
+        return float(self._max_model_len * self._tokenizer.max_token_bytes)
+
+    def matcher(self, compiled: CompiledConstraint) -> Matcher:
+        matcher = compiled.backend.matcher(compiled.grammar)
+        matcher.jump_forward = compiled.jump_forward
+        self._made_by.setdefault(type(matcher), compiled.backend)
         return matcher
 
     def mask_logits(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> list[int]:
@@ -171,3 +219,15 @@ class StructuredOutputManager:
         backend.apply_bitmask(sub, bitmask)
         logits.index_copy_(0, index, sub.to(logits.dtype))
         return dead
+
+
+def _tag_schemas(tag: Any) -> list[Any]:
+    """The JSON schemas inside a structural tag (its structures' `schema`s, in the triggers form)."""
+    try:
+        tag = json.loads(str(tag)) if isinstance(tag, str) else tag
+    except (json.JSONDecodeError, RecursionError):
+        return []  # the backend refuses it, naming why
+    structures = tag.get("structures") if isinstance(tag, dict) else None
+    if not isinstance(structures, list):
+        return []
+    return [s["schema"] for s in structures if isinstance(s, dict) and isinstance(s.get("schema"), (dict, bool))]

@@ -13,6 +13,7 @@ from pagoda.structured.params import StructuredOutputsParams
 class XGrammarMatcher:
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
+        self.jump_forward = True
 
     def accept(self, token_id: int) -> bool:
         return bool(self._m.accept_token(int(token_id)))
@@ -27,13 +28,16 @@ class XGrammarMatcher:
         return bool(self._m.is_terminated())
 
     def forced_string(self) -> str:
-        return str(self._m.find_jump_forward_string())
+        # xgrammar's search follows a forced path to its end, however long: only where limits.py bounds it.
+        return str(self._m.find_jump_forward_string()) if self.jump_forward else ""
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
     def fork(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._m.fork())
+        copy = XGrammarMatcher(self._m.fork())
+        copy.jump_forward = self.jump_forward
+        return copy
 
 
 class XGrammarBackend:

@@ -141,6 +141,8 @@ def _calls_of(message: dict[str, Any], index: int) -> list[tuple[str, str]]:
         try:
             if not isinstance(args, str) or not isinstance(json.loads(args), dict):
                 raise ValueError
+        except RecursionError:  # json's C parser nests by recursion: deep input is this request's 400
+            raise ValueError(f"{where}.arguments: nested too deeply") from None
         except ValueError:
             raise ValueError(f"{where}.arguments: must be a JSON object (as text)") from None
         out.append((fn["name"], args))

@@ -93,7 +93,7 @@ def read_call(text: str, start: int, final: bool) -> tuple[CallState | None, int
         return (CallState(None, "", False) if not final else None), None
     try:
         obj = json.loads(text[start:end])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # the model's text: not a call
         return None, end
     args_obj = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
     if not isinstance(obj.get("name"), str) or not isinstance(args_obj, dict):
@@ -116,7 +116,7 @@ def _is_complete(call: CallState | None) -> bool:
 def _valid_json(text: str) -> bool:
     try:
         json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
     return True
 

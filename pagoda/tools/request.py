@@ -61,6 +61,10 @@ class ToolRequest:
         return StructuredOutputsParams(json=schema)
 
 
+# Each tool's schema joins the request's grammar and its description the prompt: a list past this is no agent's.
+MAX_TOOLS = 1024
+
+
 def parse_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolRequest | None:
     """Validate OpenAI's tools / tool_choice / parallel_tool_calls; None when the request has no tools.
     Raises ValueError naming the field that is wrong."""
@@ -68,7 +72,10 @@ def parse_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: 
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice: requires tools")
         return None
+    if len(tools) > MAX_TOOLS:  # counted before any tool is read
+        raise ValueError(f"tools: at most {MAX_TOOLS} tools per request, got {len(tools)}")
     functions: list[Function] = []
+    names: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
@@ -79,8 +86,9 @@ def parse_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: 
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
-        if any(f.name == name for f in functions):
+        if name in names:
             raise ValueError(f"{where}.function.name: {name!r} is defined twice")
+        names.add(name)
         params = fn.get("parameters", EMPTY_PARAMETERS)
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise ValueError(f"{where}.function.parameters: must be a JSON schema of type object")
@@ -94,7 +102,7 @@ def parse_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: 
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
             and isinstance(tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
-        if not any(f.name == name for f in functions):
+        if name not in names:
             raise ValueError(f"tool_choice: names function {name!r}, which is not in tools")
         return ToolRequest(tuple(functions), "named", name, parallel)
     raise ValueError("tool_choice: must be 'none', 'auto', 'required' or "

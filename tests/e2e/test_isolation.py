@@ -83,6 +83,21 @@ TRIGGERS: list[tuple[str, str, Any, int]] = [
     ("body above the limit", "/v1/completions", _cmpl(prompt="x" * (BODY_LIMIT + 10)), 413),
     ("body above the limit on /tokenize", "/tokenize", {"prompt": "x" * (BODY_LIMIT + 10)}, 413),
     ("out-of-vocab detokenize", "/detokenize", {"tokens": [10**9]}, 400),
+    # Constraints that ran a grammar library without end (OOM in 30 s) or for minutes (issue 33).
+    ("schema whose required property refers to itself", "/v1/chat/completions",
+     _chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+         "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+         "$ref": "#/$defs/n"}}}), 400),
+    ("array of 10^9 const items", "/v1/completions",
+     _cmpl(structured_outputs={"json": {"type": "array", "items": {"const": "a"}, "minItems": 10**9}}), 400),
+    ("choice of 5000 strings", "/v1/completions",
+     _cmpl(structured_outputs={"choice": [f"option {i}" for i in range(5000)]}), 400),
+    ("1100 tools", "/v1/chat/completions",
+     _chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(1100)]), 400),
+    ("tool-call arguments nested 100k deep", "/v1/chat/completions",
+     _chat(messages=[*CHAT, {"role": "assistant", "content": None, "tool_calls": [{
+         "id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]), 400),
 ]
 
 

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answer 413 to a request body larger than this")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0,
+                   help="seconds a request's grammar (response_format, structured_outputs, tools) may compile "
+                        "before that request gets a 400")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="the models' tool-call syntax (default: read from the chat template, else hermes)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -75,6 +78,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--max-request-body-bytes must be at least 1")
     if not 0 <= args.drain_timeout < float("inf"):
         raise ValueError("--drain-timeout must be a non-negative number of seconds")
+    if not 0 < args.structured_outputs_compile_timeout < float("inf"):
+        raise ValueError("--structured-outputs-compile-timeout must be a positive number of seconds")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))  # bad flags fail before loading
     if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         run_torchrun_worker(config)  # torchrun started every rank with this command: this one serves rank 0
@@ -96,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
         model_root=args.model or DEFAULT_MODEL_NAME,
         max_request_body_bytes=args.max_request_body_bytes,
         tool_call_parser=args.tool_call_parser,
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
     )
     async_engine = AsyncEngine(engine, metrics)
     app = create_app(async_engine, settings, metrics)

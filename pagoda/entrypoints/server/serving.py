@@ -190,11 +190,31 @@ class Serving:
         except UnicodeError as e:
             raise APIError(400, f"{param}: not valid Unicode text ({e})", param) from e
 
-    async def compile_constraint(self, params: SamplingParams) -> None:
-        """A grammar compiles on a worker thread (cached by its text): a bad one is this request's 400,
-        and the engine then finds it ready, so the step loop never waits on a compiler."""
-        if params.structured_outputs is not None:
-            await self.off_loop(self.core.compile_structured, params, param="response_format")
+    async def compile_constraint(self, params: SamplingParams, request: Request) -> None:
+        """A grammar compiles on the grammar pool's threads (cached by its text), awaited here without holding
+        any other thread: a bad one is this request's 400, and the engine then finds it ready, so the step loop
+        never waits on a compiler. A compile past --structured-outputs-compile-timeout is a 400 naming it; one
+        whose client left is dropped if it has not started (a started one runs on, and its grammar is cached)."""
+        future = self.core.start_compile(params)
+        if future is None:
+            return
+        compiled = asyncio.wrap_future(future)  # cancelling it cancels a compile that has not started
+        gone = asyncio.create_task(_until_disconnected(request))
+        limit = self.settings.structured_outputs_compile_timeout
+        try:
+            done, _ = await asyncio.wait({compiled, gone}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if compiled not in done:
+            compiled.cancel()
+            if gone in done:
+                raise APIError(499, "client closed the request", "response_format")
+            raise APIError(400, f"response_format: the constraint did not compile within {limit:g} s "
+                                "(--structured-outputs-compile-timeout)", "response_format")
+        try:
+            compiled.result()
+        except ValueError as e:
+            raise APIError(400, str(e), "response_format") from e
 
     def tokenize_all(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self.core.tokenize(p) if isinstance(p, str) else p for p in prompts]

@@ -54,7 +54,7 @@ class ChatServing:
         model = s.check_model(req.model)
         params, plan, conversation, template_tools = self._prepare(req)
         s.check_capacity(1)
-        await s.compile_constraint(params)
+        await s.compile_constraint(params, request)
         prompt_ids = await s.chat_prompt(conversation, req.add_generation_prompt, template_tools)
         base_id = P.random_id("chatcmpl")
         queued = await s.submit([prompt_ids], params, base_id, req.cache_salt)

@@ -32,7 +32,7 @@ def _parse(s: Serving, req: P.CompletionRequest) -> tuple[str, SamplingParams, l
 async def create_completion(s: Serving, req: P.CompletionRequest, request: Request) -> Any:
     model, params, prompts = _parse(s, req)
     s.check_capacity(len(prompts))
-    await s.compile_constraint(params)
+    await s.compile_constraint(params, request)
     prompt_ids = await s.off_loop(s.tokenize_all, prompts)
     base_id = P.random_id("cmpl")
     queued = await s.submit(prompt_ids, params, base_id, req.cache_salt)
