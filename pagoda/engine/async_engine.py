@@ -41,6 +41,8 @@ class EngineMetricsHook(Protocol):
 
     def on_finished(self, output: RequestOutput) -> None: ...
 
+    def on_aborted(self) -> None: ...
+
 
 class EngineDeadError(RuntimeError):
     """The engine has shut down (or its worker died); no request can be served."""
@@ -166,27 +168,41 @@ class AsyncEngine:
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
                           request_id: str | None = None, cache_salt: str | None = None) -> tuple[str, asyncio.Queue]:
         """Queue a request; raises ValueError (from the engine's validation) for bad input."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return (await self.add_requests([(prompt, rid)], params, cache_salt))[0]
+
+    async def add_requests(self, prompts: list[tuple[str | list[int], str]], params: SamplingParams,
+                           cache_salt: str | None = None) -> list[tuple[str, asyncio.Queue]]:
+        """Queue every (prompt, request id) at once, in one hand-off to the worker (which adds them all before
+        its next step), or none: where one is refused, the others are aborted and its error is raised.
+        Cancelled (the client left), every one of them is aborted."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead}")
         if self._stopping:
             raise EngineDeadError("server is shutting down")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        accepted: asyncio.Future = loop.create_future()
-        stream = _Stream(loop)
+        adds = [AddRequest(prompt, params, rid, _Stream(loop), loop.create_future(), cache_salt)
+                for prompt, rid in prompts]
         with self._cond:
-            # Checked again under the lock: a worker dying after the check above must not strand this add.
+            # Checked again under the lock: a worker dying after the check above must not strand these adds.
             if self._dead is not None or self._stopping:
                 raise EngineDeadError("engine is not accepting requests")
-            self._num_pending_adds += 1
-            self._commands.append(AddRequest(prompt, params, rid, stream, accepted, cache_salt))
+            self._num_pending_adds += len(adds)
+            self._commands.extend(adds)
             self._cond.notify_all()
         try:
-            await accepted  # raises what engine.add_request raised
+            # Every future resolves (or fails) in the same pass of the worker; the first error is raised.
+            results = await asyncio.gather(*(a.accepted for a in adds), return_exceptions=True)
         except asyncio.CancelledError:
-            self.abort(rid)  # queued behind the add, so it cannot leak the request
+            for a in adds:  # queued behind the adds, so none can leak
+                self.abort(a.request_id)
             raise
-        return rid, stream.queue
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            for a in adds:
+                self.abort(a.request_id)
+            raise error
+        return [(a.request_id, a.stream.queue) for a in adds]
 
     def reset_prefix_cache(self) -> None:
         """Thread-safe; applied by the worker between steps."""
@@ -289,8 +305,9 @@ class AsyncEngine:
             elif isinstance(cmd, Abort):
                 stream = self._streams.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
-                if stream is not None:
+                if stream is not None:  # still in flight: its client left (or its handler gave up)
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _FINISHED)
+                    self._hook("on_aborted")
             elif isinstance(cmd, ResetPrefixCache):
                 self.engine.reset_prefix_cache()
             elif isinstance(cmd, Shutdown):
@@ -308,6 +325,7 @@ class AsyncEngine:
     def _abort_all(self, reason: str) -> None:
         for rid in list(self._streams):
             self.engine.abort_request(rid)
+            self._hook("on_aborted")
         self._fail_all(EngineDeadError(reason))
         self._publish_stats()
 

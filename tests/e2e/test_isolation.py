@@ -184,6 +184,27 @@ def test_non_streaming_disconnect_aborts_quietly(server: ServerProcess) -> None:
     assert "never retrieved" not in log and "Traceback" not in log, log[-3000:]
 
 
+def _aborted(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pagoda:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+
+def test_a_batch_whose_client_left_is_aborted_whole_and_counted(server: ServerProcess) -> None:
+    """Every prompt of a batch is queued in one hand-off, and a client that hangs up has them all aborted at
+    once: nothing runs on for nobody, and each counts as finished_reason "abort"."""
+    before = _aborted(server)
+    body = {"model": MODEL, "prompt": [f"Story {i}:" for i in range(MAX_WAITING)], "n": 4, "max_tokens": 300,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 15
+    while _gauge(server, "pagoda:num_requests_running") or _gauge(server, "pagoda:num_requests_waiting"):
+        assert time.monotonic() < deadline, "the abandoned batch kept running"
+        time.sleep(0.2)
+    assert _aborted(server) - before == MAX_WAITING
+
+
 def _rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 

@@ -131,6 +131,10 @@ class ServerMetrics:
     def on_generated(self, num_tokens: int) -> None:
         self.generation_tokens.labels(self._label).inc(num_tokens)
 
+    def on_aborted(self) -> None:
+        """A request ended before it finished (its client left, or shutdown): vLLM's finished_reason "abort"."""
+        self.request_success.labels(self._label, "abort").inc()
+
     def on_finished(self, out: RequestOutput) -> None:
         m = self._label
         reasons = {c.finish_reason for c in out.outputs if c.finish_reason}

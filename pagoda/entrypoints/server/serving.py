@@ -219,23 +219,28 @@ class Serving:
     def tokenize_all(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self.core.tokenize(p) if isinstance(p, str) else p for p in prompts]
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams,
-                     base_id: str, cache_salt: str | None = None) -> list[tuple[str, asyncio.Queue]]:
-        """Queue every prompt, or none: a bad one aborts those already queued and raises a 400."""
-        queued: list[tuple[str, asyncio.Queue]] = []
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
+                     cache_salt: str | None = None, request: Request | None = None) -> list[tuple[str, asyncio.Queue]]:
+        """Queue every prompt in one hand-off to the engine, or none: a bad one raises a 400. A client that
+        leaves meanwhile (`request`) has them all aborted."""
+        ids = [(prompt, base_id if len(prompts) == 1 else f"{base_id}-{i}") for i, prompt in enumerate(prompts)]
+        adding = asyncio.create_task(self.engine.add_requests(ids, params, cache_salt))
+        gone = asyncio.create_task(_until_disconnected(request)) if request is not None else None
         try:
-            for i, prompt in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                queued.append(await self.engine.add_request(prompt, params, rid, cache_salt=cache_salt))
-        except BaseException as e:
-            for rid, _ in queued:
-                self.engine.abort(rid)
-            if isinstance(e, ValueError):
-                raise bad_request(e) from e
-            if isinstance(e, EngineDeadError):
-                raise self.retry_later(str(e)) from e
-            raise
-        return queued
+            done, _ = await asyncio.wait({adding} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
+            if adding not in done:
+                adding.cancel()  # aborts every one of them
+                raise APIError(499, "client disconnected")
+            return adding.result()
+        except ValueError as e:
+            raise bad_request(e) from e
+        except EngineDeadError as e:
+            raise self.retry_later(str(e)) from e
+        finally:
+            if not adding.done():  # this handler was cancelled: so are its adds
+                adding.cancel()
+            if gone is not None:
+                gone.cancel()
 
     async def collect(self, request: Request, queued: list[tuple[str, asyncio.Queue]]) -> list[RequestOutput]:
         """Final outputs of every request; a client that goes away, or a cancelled handler, aborts them all."""
