@@ -165,9 +165,19 @@ def test_message_content_cannot_forge_turns(server: ServerProcess) -> None:
     assert raw["tokens"] == [im_start]
 
 
-def _gauge(server: ServerProcess, name: str) -> float:
+def _gauge(server: ServerProcess, name: str, **labels: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def _wait_idle(server: ServerProcess, what: str, timeout: float = 20) -> None:
+    """Until nothing runs, waits or holds KV blocks; fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(_gauge(server, f"pagoda:{g}") for g in ("num_requests_running", "num_requests_waiting",
+                                                        "kv_cache_usage_perc")):
+        assert time.monotonic() < deadline, f"{what} kept running"
+        time.sleep(0.2)
 
 
 def test_non_streaming_disconnect_aborts_quietly(server: ServerProcess) -> None:
@@ -175,34 +185,22 @@ def test_non_streaming_disconnect_aborts_quietly(server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
-    deadline = time.monotonic() + 20
-    while _gauge(server, "pagoda:num_requests_running") or _gauge(server, "pagoda:kv_cache_usage_perc"):
-        assert time.monotonic() < deadline, "the abandoned request kept running"
-        time.sleep(0.2)
+    _wait_idle(server, "the abandoned request")
     time.sleep(0.5)
     log = server.log_tail(200_000)
     assert "never retrieved" not in log and "Traceback" not in log, log[-3000:]
 
 
-def _aborted(server: ServerProcess) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "pagoda:request_success_total" and s.labels.get("finished_reason") == "abort")
-
-
 def test_a_batch_whose_client_left_is_aborted_whole_and_counted(server: ServerProcess) -> None:
     """Every prompt of a batch is queued in one hand-off, and a client that hangs up has them all aborted at
     once: nothing runs on for nobody, and each counts as finished_reason "abort"."""
-    before = _aborted(server)
+    before = _gauge(server, "pagoda:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": [f"Story {i}:" for i in range(MAX_WAITING)], "n": 4, "max_tokens": 300,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
-    deadline = time.monotonic() + 15
-    while _gauge(server, "pagoda:num_requests_running") or _gauge(server, "pagoda:num_requests_waiting"):
-        assert time.monotonic() < deadline, "the abandoned batch kept running"
-        time.sleep(0.2)
-    assert _aborted(server) - before == MAX_WAITING
+    _wait_idle(server, "the abandoned batch", timeout=15)
+    assert _gauge(server, "pagoda:request_success_total", finished_reason="abort") - before == MAX_WAITING
 
 
 def _rss_mb(pid: int) -> float:
