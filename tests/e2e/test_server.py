@@ -467,6 +467,26 @@ def test_api_key_enforced() -> None:
         assert good.completions.create(model="fake", prompt="hi", max_tokens=2).choices[0].text == "aa"
 
 
+def test_a_model_is_served_as_its_base_name_and_its_path_is_accepted() -> None:
+    from fastapi.testclient import TestClient
+
+    from pagoda.entrypoints.server.cli import served_names
+
+    assert served_names("./models/smol-hf/", None) == (["smol-hf"], ["./models/smol-hf/", "./models/smol-hf"])
+    assert served_names("/m/SmolLM2.Q4_1.gguf", None) == (["SmolLM2.Q4_1"], ["/m/SmolLM2.Q4_1.gguf",
+                                                                            "SmolLM2.Q4_1.gguf"])
+    assert served_names("./x", ["mine"]) == (["mine"], [])  # a name given is the only one
+    _, aliases = served_names("./models/smol-hf", None)
+    app, _, _ = _fake_app(model_aliases=aliases)
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["fake"]
+        for model in ("fake", *aliases):
+            assert client.completions.create(model=model, prompt="hi", max_tokens=2).model == model
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="smol", prompt="hi", max_tokens=2)
+
+
 def test_step_failure_fails_only_in_flight_requests() -> None:
     from fastapi.testclient import TestClient
 

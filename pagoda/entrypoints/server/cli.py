@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 from pagoda.entrypoints.server.data_parallel import ROUTER_POLICIES
@@ -29,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGODA_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; the first one is reported (default: the model path)")
+                   help="model name(s) clients use; the first one is reported (default: the model's base name; "
+                        "the path is accepted too)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 + Retry-After when more requests than this wait for the engine")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -54,6 +56,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dp.add_argument("--router-args", default="",
                     help="more vllm-router flags, as one string (e.g. '--cache-threshold 0.5')")
     add_engine_args(p)
+
+
+def served_names(model: str | None, given: list[str] | None) -> tuple[list[str], list[str]]:
+    """(names listed by /v1/models, other names requests may use). Without --served-model-name a model is
+    served as its folder's or file's base name (a GGUF without `.gguf`), and the path as given is accepted."""
+    if given:
+        return list(given), []
+    if model is None:
+        return [DEFAULT_MODEL_NAME], []
+    base = Path(model.rstrip("/")).name
+    name = base[:-len(".gguf")] if base.endswith(".gguf") and len(base) > len(".gguf") else base
+    aliases = [a for a in dict.fromkeys((model, model.rstrip("/"), base)) if a != name]
+    return [name], aliases
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         run_torchrun_worker(config)  # torchrun started every rank with this command: this one serves rank 0
         return 0
-    names = args.served_model_name or [args.model.rstrip("/") if args.model else DEFAULT_MODEL_NAME]
+    names, aliases = served_names(args.model, args.served_model_name)
     if args.data_parallel_size != 1:
         from pagoda.entrypoints.server import data_parallel
 
@@ -95,6 +110,7 @@ def main(args: argparse.Namespace) -> int:
                              engine.kv.pool.num_blocks)
     settings = ServerSettings(
         served_model_names=names,
+        model_aliases=aliases,
         api_key=server_api_key(args.api_key),
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,

@@ -166,7 +166,7 @@ class Serving:
     def check_model(self, model: str | None) -> str:
         if model is None:
             return self.names[0]
-        if model not in self.names:
+        if model not in self.names and model not in self.settings.model_aliases:
             raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.names)}", "model")
         return model
 
@@ -195,7 +195,7 @@ class Serving:
         any other thread: a bad one is this request's 400, and the engine then finds it ready, so the step loop
         never waits on a compiler. A compile past --structured-outputs-compile-timeout is a 400 naming it; one
         whose client left is dropped if it has not started (a started one runs on, and its grammar is cached)."""
-        future = self.core.start_compile(params)
+        future = self.core.start_compile(params) if params.structured_outputs is not None else None
         if future is None:
             return
         compiled = asyncio.wrap_future(future)  # cancelling it cancels a compile that has not started

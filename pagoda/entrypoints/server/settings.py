@@ -1,14 +1,15 @@
 """The server's settings (`pagoda serve` flags beyond the engine's)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
 
 
 @dataclass
 class ServerSettings:
-    served_model_names: list[str]
+    served_model_names: list[str]  # listed by /v1/models; the first is reported
+    model_aliases: list[str] = field(default_factory=list)  # also accepted as `model` (the path as given)
     api_key: str | None = None
     max_waiting_requests: int | None = None
     drain_timeout: float = 30.0
