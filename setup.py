@@ -33,7 +33,7 @@ def kernel_extensions() -> tuple[list, dict]:
         name = build_spec.prebuilt_name(b, build_spec.build_key(b, torch.__version__))
         exts.append(CppExtension(f"{build_spec.PREBUILT_PACKAGE}.{name}", srcs,
                                  extra_compile_args={"cxx": build_spec.cflags(b)},
-                                 extra_link_args=build_spec.LDFLAGS))
+                                 extra_link_args=list(build_spec.LDFLAGS)))
 
     class BuildEachTargetApart(BuildExtension):
         """Every build compiles the same sources with other flags: each gets its own object folder, so none

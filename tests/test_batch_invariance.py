@@ -152,3 +152,27 @@ def test_smollm_logprobs_do_not_depend_on_the_batch_exhaustive(default_gguf, dty
         pytest.skip("int8 activations are a C++ kernel's")
     assert_batch_invariant(None, 49152, dtype=dtype, quantization=quantization, int4_activations=int4_activations,
                            kernels=kernels)
+
+
+def test_importing_pagoda_keeps_onednn_off_its_batch_variant_amx_kernels():
+    """oneDNN's AMX bf16 matmul (the prepacked one Pagoda runs) sums a row differently at 130 rows than alone;
+    importing pagoda first caps oneDNN at AVX512-BF16 (on a CPU without AMX the check holds anyway). A cap the user
+    set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, torch, pagoda\n"
+            "from pagoda.kernels.linear import onednn_linear, prepack\n"
+            "torch.manual_seed(48)\n"
+            "w = prepack((torch.randn(48, 1536) / 1536**0.5).bfloat16()); b = torch.randn(48).bfloat16()\n"
+            "x = torch.randn(130, 1536).bfloat16()\n"
+            "rows = torch.cat([onednn_linear(x[i:i + 1], w, b) for i in range(130)])\n"
+            "print(os.environ['ONEDNN_MAX_CPU_ISA'], all(torch.equal(onednn_linear(x[:m], w, b), rows[:m])\n"
+            "                                            for m in (64, 130)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["AVX512_CORE_BF16", "True"], out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "ONEDNN_MAX_CPU_ISA": "AVX2"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[0] == "AVX2", out.stdout + out.stderr

@@ -24,8 +24,9 @@ BUILDS: dict[str, str] = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
 # -fopenmp: at::parallel_for is a header template whose `omp parallel` is only active
 # when this translation unit is compiled with OpenMP. The .so then needs libgomp.so.1,
 # which resolves to the copy torch already loaded (same soname): one thread pool.
-CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
-LDFLAGS = ["-fopenmp"]
+# Tuples: torch's cpp_extension.load appends to the flag lists it is given, which would change the key.
+CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
+LDFLAGS = ("-fopenmp",)
 
 
 def sources(src_dir: Path = SRC_DIR) -> list[Path]:

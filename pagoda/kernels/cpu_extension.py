@@ -200,8 +200,8 @@ def jit_build(name: str, srcs: list[Path], flags: list[str], build_dir: Path, la
         t0 = time.perf_counter()
         try:
             # Compiles with ninja, then loads the library into this process (torch.ops.load_library).
-            cpp_extension.load(name=name, sources=[str(s) for s in srcs], extra_cflags=flags,
-                               extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+            cpp_extension.load(name=name, sources=[str(s) for s in srcs], extra_cflags=list(flags),
+                               extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
                                is_standalone=False, verbose=False)
         except Exception as e:
             raise KernelBuildError(_build_failure(label, build_dir, e)) from None
