@@ -167,8 +167,8 @@ class FakeEngine:
     """Streams WORDS one per step; SIGINTs itself after `interrupt_after` steps (None: never)."""
     WORDS = ["Hello", " there", ",", " friend", "!"]
 
-    def __init__(self, interrupt_after: int | None = None) -> None:
-        self.interrupt_after = interrupt_after
+    def __init__(self, interrupt_after: int | None = None, finish: str = "stop") -> None:
+        self.interrupt_after, self.finish = interrupt_after, finish
         self.requests: dict[str, Any] = {}
         self.params: list[Any] = []
         self.aborted: list[str] = []
@@ -201,7 +201,8 @@ class FakeEngine:
             n = self.requests[rid] = self.requests[rid] + 1
             done = n == len(self.WORDS)
             outs.append(SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(
-                text="".join(self.WORDS[:n]), token_ids=list(range(n)))]))
+                text="".join(self.WORDS[:n]), token_ids=list(range(n)),
+                finish_reason=(self.finish if done else None))]))
             if done:
                 del self.requests[rid]
         return outs
@@ -261,6 +262,14 @@ def test_chat_prints_tokens_per_second_after_a_reply(monkeypatch, capsys):
     assert "[5 tokens, " in err and " tok/s]" in err
 
 
+def test_chat_says_when_a_reply_was_cut_and_confirms_reset(monkeypatch, capsys):
+    _chat(monkeypatch, FakeEngine(finish="length"), ["hi", "/reset"])
+    err = capsys.readouterr().err
+    assert "[reply cut at 5 tokens: --max-tokens N allows more]" in err and "[conversation reset]" in err
+    _chat(monkeypatch, FakeEngine(), ["hi"])
+    assert "cut" not in capsys.readouterr().err
+
+
 def test_chat_samples_with_defaults_that_do_not_loop(monkeypatch):
     engine = FakeEngine()
     _chat(monkeypatch, engine, ["hi"])
@@ -309,8 +318,8 @@ def test_ctrl_c_aborts_the_real_engines_request_and_the_engine_goes_on(smollm_ll
         return real_step()
     monkeypatch.setattr(engine, "step", step)
     ids = engine.tokenizer.encode("Count to fifty:")
-    text, tokens, stopped = cli.stream_reply(engine, ids, SamplingParams(temperature=0, max_tokens=64))
-    assert stopped and 0 < tokens < 64
+    reply = cli.stream_reply(engine, ids, SamplingParams(temperature=0, max_tokens=64))
+    assert reply.stopped and 0 < reply.tokens < 64
     assert not engine.has_unfinished_requests()
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # its blocks went back to the pool
     monkeypatch.setattr(engine, "step", real_step)

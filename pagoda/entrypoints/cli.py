@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -184,21 +185,29 @@ class _StopOnInterrupt:
         self.requested = True
 
 
-def stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> tuple[str, int, bool]:
-    """Stream one reply to stdout. Ctrl-C stops it: the request is aborted and the engine stays usable.
-    Returns (text shown, tokens generated, stopped by Ctrl-C)."""
+@dataclass
+class Reply:
+    text: str = ""                    # what was shown
+    tokens: int = 0                   # tokens generated
+    stopped: bool = False             # by Ctrl-C
+    finish_reason: str | None = None  # "length": cut at --max-tokens
+
+
+def stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> Reply:
+    """Stream one reply to stdout. Ctrl-C stops it: the request is aborted and the engine stays usable."""
     req = engine.add_request(prompt_ids, params)
     stop = _StopOnInterrupt()
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGINT, stop) if main_thread else None
-    text, tokens = "", 0
+    reply = Reply()
     try:
         while not stop.requested and engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id == req.request_id:
-                    sys.stdout.write(out.outputs[0].text[len(text):])
+                    c = out.outputs[0]
+                    sys.stdout.write(c.text[len(reply.text):])
                     sys.stdout.flush()
-                    text, tokens = out.outputs[0].text, len(out.outputs[0].token_ids)
+                    reply.text, reply.tokens, reply.finish_reason = c.text, len(c.token_ids), c.finish_reason
     except KeyboardInterrupt:
         stop.requested = True
     finally:
@@ -206,7 +215,8 @@ def stream_reply(engine: Any, prompt_ids: list[int], params: Any) -> tuple[str, 
             signal.signal(signal.SIGINT, previous)
         if stop.requested:
             engine.abort_request(req.request_id)
-    return text, tokens, stop.requested
+    reply.stopped = stop.requested
+    return reply
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -231,20 +241,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if user.strip() == "/reset":
             messages = messages[:1] if args.system else []
+            print("[conversation reset" + (", system prompt kept]" if args.system else "]"), file=sys.stderr)
             continue
         messages.append({"role": "user", "content": user})
         t0 = time.perf_counter()
         try:
             ids = engine.tokenize_chat(messages)
-            text, tokens, stopped = stream_reply(engine, ids, params)
+            reply = stream_reply(engine, ids, params)
         except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
             print(f"error: {e}", file=sys.stderr)
             messages.pop()
             continue
         print()
-        _note_speed(tokens, time.perf_counter() - t0)
-        if text or not stopped:
-            messages.append({"role": "assistant", "content": text})  # what was shown, as the user saw it
+        if reply.finish_reason == "length":
+            print(f"[reply cut at {reply.tokens} tokens: --max-tokens N allows more]", file=sys.stderr)
+        _note_speed(reply.tokens, time.perf_counter() - t0)
+        if reply.text or not reply.stopped:
+            messages.append({"role": "assistant", "content": reply.text})  # what was shown, as the user saw it
         else:
             messages.pop()  # stopped before any output: as if never asked
 
