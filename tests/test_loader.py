@@ -169,3 +169,24 @@ def test_unsupported_file(tmp_path) -> None:
     bad.write_bytes(b"NOPE" + b"\0" * 32)
     with pytest.raises(ValueError, match="not a GGUF"):
         resolve_model_files(str(bad))
+
+
+def test_a_hub_id_loads_from_the_local_hub_cache_and_a_missing_one_says_how_to_get_it(tiny_llama, tmp_path):
+    """transformers' offline layout (models--org--name/refs/main -> snapshots/<commit>/...), in a scratch cache."""
+    import shutil
+    import subprocess
+    import sys
+
+    snap = tmp_path / "hub" / "models--someorg--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_llama, snap)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("0123abcd")
+    code = ("import sys\nfrom pagoda.model.loader import resolve_model_files\n"
+            "print(resolve_model_files('someorg/tiny-llama').source)\n"
+            "try:\n    resolve_model_files('someorg/not-here')\nexcept FileNotFoundError as e:\n    print(e)\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found, missing = out.stdout.strip().splitlines()
+    assert found == str(snap)
+    assert "hf download someorg/not-here --local-dir DIR" in missing and "GiB free" in missing

@@ -142,9 +142,11 @@ def _sampling(args: argparse.Namespace, defaults: dict[str, Any] | None = None):
 
 
 def _check_model(model: str | None) -> None:
-    """A missing model path fails here, before the seconds of importing torch and loading anything."""
-    if model is not None and not os.path.exists(os.path.expanduser(model)):
-        raise FileNotFoundError(f"model path does not exist: {model!r} (pagoda only loads local files)")
+    """A missing model fails here, before the seconds of importing torch and loading anything."""
+    if model is not None:
+        from pagoda.model.locate import locate_model
+
+        locate_model(model)
 
 
 def _note_speed(tokens: int, seconds: float) -> None:

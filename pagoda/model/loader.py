@@ -18,6 +18,7 @@ import torch
 
 from pagoda.model.args import ModelArgs
 from pagoda.model.errors import ModelFileError, warn_nonfinite
+from pagoda.model.locate import locate_model
 
 _PICKLE_EXTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # The safetensors library refuses headers past 100 MB; checked here first to name the file.
@@ -156,9 +157,7 @@ def resolve_model_files(path: str | None) -> ModelFiles:
         from pagoda.model.default_model import default_model_path
 
         path = default_model_path()
-    path = os.path.expanduser(str(path))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path does not exist: {path!r} (pagoda only loads local files)")
+    path = locate_model(str(path))
 
     if os.path.isdir(path):
         cfg = _load_config(path)
