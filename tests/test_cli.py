@@ -35,7 +35,8 @@ sys.meta_path.insert(0, _Absent())
 """
 
 COMMANDS = [["generate"], ["chat"], ["serve"], ["quantize"], ["bench"], ["bench", "throughput"],
-            ["bench", "serve"], ["bench", "quant"], ["bench", "structured"], ["eval"], ["eval", "perplexity"]]
+            ["bench", "serve"], ["bench", "quant"], ["bench", "structured"], ["eval"], ["eval", "perplexity"],
+            ["kernels"]]
 
 
 def _run_cli(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -80,6 +81,21 @@ print(sorted(k for k in sys.modules if k.partition(".")[0] in {TEST_ONLY!r}))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+# The commands whose --help needs no torch (the heavy ones' modules, bench throughput and quant and quantize,
+# compute with it at import).
+LIGHT = [[], ["generate"], ["chat"], ["serve"], ["kernels"], ["bench", "serve"], ["bench", "structured"],
+         ["eval", "perplexity"]]
+
+
+@pytest.mark.parametrize("argv", [[*c, "--help"] for c in LIGHT] + [["--version"]], ids=" ".join)
+def test_help_and_version_import_no_torch(argv):
+    code = ("import sys\nfrom pagoda.entrypoints.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('imported torch:', 'torch' in sys.modules, file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert "imported torch: False" in r.stderr, r.stderr
 
 
 def test_version_flag_prints_the_version():

@@ -281,7 +281,10 @@ _EVAL = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `argv`, only the command it names gets its flags, so that `pagoda --help`,
+    `--version` and the light commands never import the heavy ones' modules (torch among them)."""
+    chosen = _chosen_command(argv) if argv is not None else None
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pagoda {pagoda.__version__}")
@@ -302,21 +305,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     for name, (module, help_text) in _PLUGINS.items():
-        _add_plugin(sub, name, module, help_text)
+        _add_plugin(sub, name, module, help_text, chosen in (None, (name,)))
     b = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in _BENCH.items():
-        _add_plugin(bsub, name, module, help_text)
+        _add_plugin(bsub, name, module, help_text, chosen in (None, ("bench", name)))
     e = sub.add_parser("eval", help="quality evaluations", formatter_class=HelpFormatter)
     esub = e.add_subparsers(dest="eval", required=True)
     for name, (module, help_text) in _EVAL.items():
-        _add_plugin(esub, name, module, help_text)
+        _add_plugin(esub, name, module, help_text, chosen in (None, ("eval", name)))
     for p in (g, c):
         _show_defaults(p)
     return parser
 
 
-def _add_plugin(sub: Any, name: str, module: str, help_text: str) -> None:
+def _chosen_command(argv: list[str]) -> tuple[str, ...]:
+    """The command `argv` names: (command,) or, under bench and eval, (group, command); () for none."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words:
+        return ()
+    return tuple(words[:2]) if words[0] in ("bench", "eval") else (words[0],)
+
+
+def _add_plugin(sub: Any, name: str, module: str, help_text: str, load: bool = True) -> None:
+    """A command whose flags and code live in `module`; imported only where `load` (the command being run)."""
+    if not load:
+        sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
+        return
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -331,7 +346,8 @@ def _add_plugin(sub: Any, name: str, module: str, help_text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
