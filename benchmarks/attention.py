@@ -23,17 +23,14 @@ from pathlib import Path
 import torch
 
 from pagoda.kernels import cpu_extension
-from pagoda.kernels.cpu_extension import _LDFLAGS, best_build, build_directory, cflags, kernel_available, loaded_build
+from pagoda.kernels.build_spec import SRC_DIR
+from pagoda.kernels.cpu_extension import best_build, build_directory, cflags, jit_build, kernel_available, loaded_build
 from pagoda.kernels.kv_quant import kv_cache_format, quantize_kv
 from pagoda.kernels.paged_attention import k_cache_shape, k_words
-
-_CPU_SOURCES = Path(__file__).resolve().parents[1] / "pagoda" / "kernels" / "cpu"
 
 
 def load_other_kernel(source: Path) -> object:
     """`source` (a paged_attention.cpp) built with the loaded build's flags under the op namespace pagoda_cmp."""
-    from torch.utils import cpp_extension
-
     text = source.read_text()
     text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)\(pagoda,", r"TORCH_LIBRARY\1(pagoda_cmp,", text)
     text = text.replace("namespace pagoda_cpu {", "namespace pagoda_cpu_cmp {")
@@ -43,9 +40,9 @@ def load_other_kernel(source: Path) -> object:
     src = out / "paged_attention_cmp.cpp"
     if not src.exists() or src.read_text() != text:
         src.write_text(text)
-    cpp_extension.load(name="pagoda_attention_cmp", sources=[str(src)],
-                       extra_cflags=[*cflags(build), f"-I{_CPU_SOURCES}"], extra_ldflags=_LDFLAGS,
-                       build_directory=str(out), is_python_module=False, verbose=False)
+    lib = jit_build("pagoda_attention_cmp", [src], [*cflags(build), f"-I{SRC_DIR}"], out,
+                    label="attention comparison build")
+    torch.ops.load_library(str(lib))
     return torch.ops.pagoda_cmp.paged_attention
 
 

@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-decode", action="store_true",
                    help=f"also measure batch-1 decode ({BATCH1_PROMPT_LEN}-token prompt, {BATCH1_OUTPUT_LEN} tokens)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON here")
+    p.add_argument("--contend", type=int, default=0, metavar="N",
+                   help="also run the workload (and --batch1-decode) with N busy processes, one pinned to each of "
+                        "the last N cores, and report the shared run beside the quiet one")
 
 
 def _params(output_len: int) -> SamplingParams:
@@ -211,6 +214,10 @@ def _print_report(report: dict[str, Any]) -> None:
               f"{spec['num_draft_tokens']} tokens proposed, {spec['num_accepted_tokens']} accepted "
               f"({100 * spec['acceptance_rate']:.1f}%), {spec['num_emitted_tokens']} emitted; mean acceptance "
               f"length {spec['mean_acceptance_length']:.2f} tokens per verification")
+    shared = report.get("pagoda_shared")
+    if shared:
+        print(f"pagoda with {shared['busy_processes']} core(s) taken by busy processes: {shared['elapsed_s']:.2f} s, "
+              f"{shared['output_tok_s']:.1f} output tok/s = {100 * shared['speed_vs_quiet']:.0f}% of quiet")
     print(f"prefix cache: hit rate {100 * ours['prefix_hit_rate']:.1f}% of prompt tokens "
           f"(the workload's best possible: {100 * report['max_prefix_hit_rate']:.1f}%)")
     if "kernel_tuning" in report:
@@ -229,6 +236,10 @@ def _print_report(report: dict[str, Any]) -> None:
             line += (f", {b1['weight_bytes'] / 1e6:.0f} MB of weights per step = "
                      f"{100 * b1['bandwidth_efficiency']:.1f}% of the bandwidth roofline")
         print(line)
+        b1s = report.get("batch1_decode_shared")
+        if b1s:
+            print(f"batch-1 decode with {b1s['busy_processes']} core(s) taken: {b1s['decode_tok_s']:.1f} tok/s = "
+                  f"{100 * b1s['speed_vs_quiet']:.0f}% of quiet")
     for name, peer in report.get("peers", {}).items():
         line = (f"{name}: {peer['elapsed_s']:.2f} s, {peer['output_tok_s']:.1f} useful output tok/s "
                 f"({peer['generated_tokens']} generated); pagoda / {name} = {peer['ratio']:.2f}x")
@@ -266,6 +277,14 @@ def main(args: argparse.Namespace) -> int:
     _progress(f"pagoda: {len(requests)} requests ...")
     ours = run_engine(llm, requests)
     _progress(f"pagoda: done in {ours.elapsed_s:.1f} s")
+    shared = None
+    if args.contend:
+        from pagoda.bench.contention import busy_cores
+
+        with busy_cores(args.contend) as taken:
+            _progress(f"pagoda, cores {taken} taken by busy processes: {len(requests)} requests ...")
+            shared = run_engine(llm, requests)
+        _progress(f"pagoda shared: done in {shared.elapsed_s:.1f} s ({ours.elapsed_s / shared.elapsed_s:.2f}x quiet)")
     # Measured after our run: the GEMM probe's heavy AVX-512 load measurably slowed the run right after it.
     roofline: Roofline | None = None if args.no_roofline else measure_roofline(dtype)
     if roofline is not None:
@@ -294,6 +313,9 @@ def main(args: argparse.Namespace) -> int:
     if roofline is not None:
         report["roofline"] = roofline.to_dict()
         report["pagoda"]["compute_efficiency"] = efficiency(flops / ours.elapsed_s, roofline.matmul_flops)
+    if shared is not None:
+        report["pagoda_shared"] = {**shared.to_dict(), "busy_processes": args.contend,
+                                   "speed_vs_quiet": ours.elapsed_s / shared.elapsed_s}
 
     prompt: list[int] | None = None
     if args.batch1_decode:
@@ -302,6 +324,13 @@ def main(args: argparse.Namespace) -> int:
         _progress("pagoda: batch-1 decode ...")
         b1 = run_batch1_decode(llm, prompt, BATCH1_OUTPUT_LEN)
         report["batch1_decode"] = b1.to_dict()
+        if args.contend:
+            from pagoda.bench.contention import busy_cores
+
+            with busy_cores(args.contend):
+                b1_shared = run_batch1_decode(llm, prompt, BATCH1_OUTPUT_LEN)
+            report["batch1_decode_shared"] = {**b1_shared.to_dict(), "busy_processes": args.contend,
+                                              "speed_vs_quiet": b1_shared.decode_tok_s / b1.decode_tok_s}
         if roofline is not None:
             weight_bytes = decode_weight_bytes(engine.args, dtype)
             report["batch1_decode"].update(
