@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import importlib.machinery
 import logging
 import os
@@ -109,8 +110,6 @@ def build_directory(src_dir: Path = SRC_DIR, build: str = "native") -> Path:
     Named <key>-<source path hash>: torch's build.ninja records the sources' absolute paths, so two checkouts
     with the same sources sharing one dir would each see the other's build as stale and recompile it; one dir per
     checkout keeps each build."""
-    import hashlib
-
     where = hashlib.sha256(str(src_dir.resolve()).encode()).hexdigest()[:8]
     return cache_root() / f"{build_key(build, torch.__version__, src_dir)}-{where}"
 
