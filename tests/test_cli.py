@@ -427,3 +427,15 @@ def test_quantized_checkpoint_files_honor_the_umask(tiny_llama_byte_tokenizer, t
     for folder in (out, plain):
         for name in ("model.safetensors", "config.json"):
             assert (folder / name).stat().st_mode & 0o777 == want, f"{folder.name}/{name}"
+
+
+@pytest.mark.parametrize("argv, first", [
+    (["eval", "perplexity", "--text", "pagoda/bench/corpus/GPL-3", "--max-text-tokens", "300", "--max-length", "128",
+      "--stride", "64"], "pagoda eval perplexity: 300 tokens in windows of 128 ..."),
+    (["bench", "structured", "--num-prompts", "4", "--concurrency", "4", "--max-tokens", "8",
+      "--jump-forward-rounds", "1"], "pagoda bench structured: concurrency 4, constrained, 4 requests ..."),
+])
+def test_long_commands_say_what_they_do_and_show_progress(argv, first):
+    r = _run_cli([*argv, "--dtype", "float32", "--kv-cache-memory", "64MiB"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert first in r.stderr and "Generating" in r.stderr  # the progress bar, on stderr

@@ -7,7 +7,8 @@ import sys
 
 from pagoda.process_env import DEFAULTS
 
-_SHOW = "import os, pagoda, pagoda.process_env; print(' '.join(os.environ[k] for k in sorted(pagoda.process_env.DEFAULTS)))"
+_SHOW = ("import os, pagoda, pagoda.process_env\n"
+         "print(' '.join(os.environ[k] for k in sorted(pagoda.process_env.DEFAULTS)))")
 
 
 def _show(env: dict[str, str]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -35,10 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the results as JSON here")
 
 
-def _run(llm: Any, prompts: list[list[int]], params: list[Any]) -> tuple[float, list[Any]]:
+def _run(llm: Any, prompts: list[list[int]], params: list[Any], what: str) -> tuple[float, list[Any]]:
+    print(f"pagoda bench structured: {what}, {len(prompts)} requests ...", file=sys.stderr, flush=True)
     llm.reset_prefix_cache()  # every run prefills its prompts itself
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=True)  # the bar is on stderr: a long run shows it moves
     return time.perf_counter() - t0, outs
 
 
@@ -58,13 +60,14 @@ def main(args: argparse.Namespace) -> int:
             llm.engine.compile_structured(p)  # the timed runs measure decoding, not first compiles
         stats = llm.engine.structured.stats
         steps0, seconds0 = stats.steps, stats.seconds
-        t_con, outs = _run(llm, prompts, constrained)
+        t_con, outs = _run(llm, prompts, constrained, f"concurrency {concurrency}, constrained")
         mask_steps, mask_s = stats.steps - steps0, stats.seconds - seconds0
         lengths = [len(o.outputs[0].token_ids) for o in outs]
         valid = sum(_is_json(o.outputs[0].text) for o in outs)
         free = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
-        t_free, _ = _run(llm, prompts, free)
-        t_con_again, again = _run(llm, prompts, constrained)  # seeded: the same tokens again
+        t_free, _ = _run(llm, prompts, free, f"concurrency {concurrency}, unconstrained")
+        t_con_again, again = _run(llm, prompts, constrained,  # seeded: the same tokens again
+                                  f"concurrency {concurrency}, constrained again")
         assert [len(o.outputs[0].token_ids) for o in again] == lengths
         t_con = (t_con + t_con_again) / 2  # constrained runs on both sides of the unconstrained one
         tokens = sum(lengths)

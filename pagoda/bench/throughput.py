@@ -117,8 +117,9 @@ def run_engine(llm: LLM, requests: Sequence[BenchRequest]) -> ThroughputResult:
 
         speculator.stats = SpecDecodeStats()  # count the timed run only
     t0 = time.perf_counter()
+    # The bar (stderr, redrawn at most every 0.1 s) shows a run of minutes moving.
     outs = llm.generate([r.prompt_token_ids for r in requests], [_params(r.output_len) for r in requests],
-                        use_tqdm=False)
+                        use_tqdm=True)
     elapsed = time.perf_counter() - t0
     produced = [len(o.outputs[0].token_ids) for o in outs]
     short = [(i, n, r.output_len) for i, (n, r) in enumerate(zip(produced, requests)) if n != r.output_len]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -54,15 +55,17 @@ class PerplexityResult:
         return self.tokens_processed / self.seconds if self.seconds > 0 else float("inf")
 
 
-def perplexity(llm: Any, token_ids: list[int], max_length: int = 512, stride: int = 256) -> PerplexityResult:
-    """Perplexity of `token_ids` under a pagoda LLM (all windows submitted as one batch)."""
+def perplexity(llm: Any, token_ids: list[int], max_length: int = 512, stride: int = 256,
+               progress: bool = False) -> PerplexityResult:
+    """Perplexity of `token_ids` under a pagoda LLM (all windows submitted as one batch); `progress`: a bar on
+    stderr as windows finish."""
     from pagoda import SamplingParams
 
     windows = sliding_windows(len(token_ids), max_length, stride)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     prompts = [{"prompt_token_ids": token_ids[w.begin:w.end]} for w in windows]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
     nll, count = 0.0, 0
     for w, out in zip(windows, outs):
@@ -103,7 +106,9 @@ def main(args: argparse.Namespace) -> int:
     ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     if args.max_text_tokens:
         ids = ids[: args.max_text_tokens]
-    res = perplexity(llm, ids, args.max_length, args.stride)
+    print(f"pagoda eval perplexity: {len(ids)} tokens in windows of {args.max_length} ...", file=sys.stderr,
+          flush=True)
+    res = perplexity(llm, ids, args.max_length, args.stride, progress=True)
     if args.json:
         print(json.dumps({**asdict(res), "tokens_per_s": res.tokens_per_s, "model": args.model or "default",
                           "text": args.text, "max_length": args.max_length, "stride": args.stride,
