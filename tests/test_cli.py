@@ -439,3 +439,10 @@ def test_long_commands_say_what_they_do_and_show_progress(argv, first):
     r = _run_cli([*argv, "--dtype", "float32", "--kv-cache-memory", "64MiB"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert first in r.stderr and "Generating" in r.stderr  # the progress bar, on stderr
+
+
+def test_eval_perplexity_shows_only_the_flags_that_apply():
+    p = dict(_parsers(cli.build_parser()))[("eval", "perplexity")]
+    flags = {s for a in p._actions for s in a.option_strings}
+    assert "--kv-cache-dtype" in flags and "--quantization" in flags
+    assert not flags & {"--speculative-config", "--structured-outputs-backend", "--structured-outputs-jump-forward"}

@@ -35,8 +35,9 @@ def _show_defaults(p: argparse.ArgumentParser) -> None:
             action.help = "(default: %(default)s)"
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM's (and as LLM(...)'s keyword arguments)."""
+def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
+    """Engine flags, named as vLLM's (and as LLM(...)'s keyword arguments). `decoding=False` leaves out those
+    that only matter to generated tokens (speculation, structured outputs), for commands that only score text."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto = bfloat16 where the CPU has native bf16, else float32; "
                         "float16 computes in bfloat16 (native) or float32 on CPU")
@@ -57,18 +58,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int4 group size (default 128; 64/32 where the input size needs it)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage dtype (default auto = the compute dtype)")
-    p.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        "(default: none)")
-    p.add_argument("--structured-outputs-backend", default=None, choices=["auto", "xgrammar", "guidance"],
-                   help="grammar library for structured outputs (default: auto = xgrammar, falling back to "
-                        "llguidance for a constraint xgrammar rejects)")
-    p.add_argument("--structured-outputs-jump-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="append the text a grammar forces in one step instead of one step per token (default on)")
+    if decoding:
+        p.add_argument("--speculative-config", type=_json_object, default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                            "(default: none)")
+        p.add_argument("--structured-outputs-backend", default=None, choices=["auto", "xgrammar", "guidance"],
+                       help="grammar library for structured outputs (default: auto = xgrammar, falling back to "
+                            "llguidance for a constraint xgrammar rejects, or for all where it is not installed)")
+        p.add_argument("--structured-outputs-jump-forward", action=argparse.BooleanOptionalAction, default=None,
+                       help="append the text a grammar forces in one step instead of one step per token "
+                            "(default on)")
     p.add_argument("--kernels", default=None, choices=list(KERNELS),
-                   help="auto: the best build of Pagoda's C++ CPU kernels for this CPU, else torch; native: the "
-                        "-march=native build; avx2: the x86-64-v3 build (AVX2+FMA, no AVX-512); torch: torch ops "
-                        "only (default auto)")
+                   help="auto: the best build of Pagoda's C++ CPU kernels for this CPU (an error where it cannot "
+                        "build); native: the -march=native build; avx2: the x86-64-v3 build (AVX2+FMA, no AVX-512); "
+                        "torch: torch ops only (default auto)")
     p.add_argument("--int4-activations", default=None, choices=list(INT4_ACTIVATIONS),
                    help="int8: INT4 weights compute with INT8 activations (VNNI; faster, slightly higher "
                         "perplexity; see docs/benchmarks.md) (default float)")

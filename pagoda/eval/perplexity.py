@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stride", type=int, default=256, help="tokens between window starts")
     p.add_argument("--max-text-tokens", type=int, default=None, help="only the first N tokens of the text")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_engine_args(p)
+    add_engine_args(p, decoding=False)  # it scores text: no speculation, no grammar
 
 
 def main(args: argparse.Namespace) -> int:
