@@ -436,7 +436,8 @@ def test_quantized_checkpoint_files_honor_the_umask(tiny_llama_byte_tokenizer, t
       "--jump-forward-rounds", "1"], "pagoda bench structured: concurrency 4, constrained, 4 requests ..."),
 ])
 def test_long_commands_say_what_they_do_and_show_progress(argv, first):
-    r = _run_cli([*argv, "--dtype", "float32", "--kv-cache-memory", "64MiB"], timeout=300)
+    r = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", *argv, "--dtype", "float32",
+                        "--kv-cache-memory", "64MiB"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert first in r.stderr and "Generating" in r.stderr  # the progress bar, on stderr
 

@@ -73,7 +73,7 @@ def test_mask_equals_llguidances_own(guidance_llm: LLM) -> None:
                                          eos_token=sorted(tok.stop_token_ids))
     manager = engine.structured
     compiled = manager.compile(StructuredOutputsParams(json=PERSON)).result()
-    ours, theirs = manager.matcher(compiled), llguidance.LLMatcher(lltok, compiled.grammar)
+    ours, theirs = manager.matcher(compiled), llguidance.LLMatcher(lltok, compiled.grammar.grammar)
     for token in tok.encode('{"name": "Al", "age": 4', add_special_tokens=False):
         allowed = np.unpackbits(np.frombuffer(theirs.compute_bitmask(), dtype=np.uint8), bitorder="little")
         logits = torch.randn(3, vocab)
@@ -117,7 +117,7 @@ def test_auto_falls_back_to_guidance_for_a_schema_xgrammar_rejects(auto_llm: LLM
     manager = auto_llm.engine.structured
     with pytest.raises(ValueError, match="not supported"):
         manager.backend.compile(StructuredOutputsParams(json=CITY))  # auto's first backend is xgrammar
-    assert isinstance(manager.compile(StructuredOutputsParams(json=CITY)).result(), GuidanceGrammar)
+    assert isinstance(manager.compile(StructuredOutputsParams(json=CITY)).result().grammar, GuidanceGrammar)
     for out in auto_llm.generate(PROMPTS, _params({"json": CITY}, n=2), use_tqdm=False):
         for c in out.outputs:
             assert c.finish_reason == "stop", c.text
@@ -128,7 +128,7 @@ def test_auto_batch_mixing_xgrammar_and_guidance_rows_gives_valid_outputs(auto_l
     import xgrammar as xgr
 
     manager = auto_llm.engine.structured
-    assert isinstance(manager.compile(StructuredOutputsParams(json=PERSON)).result(), xgr.CompiledGrammar)
+    assert isinstance(manager.compile(StructuredOutputsParams(json=PERSON)).result().grammar, xgr.CompiledGrammar)
     params = [_params({"json": PERSON}), _params({"json": CITY}), _params({"regex": r"[a-z]{3} \d"}),
               _params(None, max_tokens=8)]
     person, city, word, free = auto_llm.generate(PROMPTS + ["x"], params, use_tqdm=False)
