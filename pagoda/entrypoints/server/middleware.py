@@ -47,9 +47,11 @@ class BodyLimitMiddleware:
             await too_large(scope, receive, send)
             return
         chunks, size = [], 0
+        # One deadline for the whole body, not one per read: a byte every few seconds must not hold a slot forever.
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+                message = await asyncio.wait_for(receive(), max(deadline - asyncio.get_running_loop().time(), 0))
             except TimeoutError:  # a client that declares more than it sends must not hold its slot forever
                 await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s")(
                     scope, receive, send)
