@@ -120,7 +120,8 @@ class EngineConfig:
     # (-march=native / x86-64-v3, kernels/cpu_extension.py); either is an error where it can't build or run;
     # torch: torch ops only
     kernels: str = "auto"
-    # int8: INT4 layers quantize activations to INT8 and use VNNI dot products (faster, +2% perplexity)
+    # int8: INT4 layers quantize activations to INT8 and use VNNI dot products (faster, slightly higher perplexity:
+    # docs/benchmarks.md)
     int4_activations: str = "float"
     # auto: where several kernels can serve a linear layer's shape, time them once on this machine and keep the
     # fastest (kernels/tuning.py; cached in tuning.json beside the kernel build); off: the built-in choice.

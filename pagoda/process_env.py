@@ -9,11 +9,10 @@ DEFAULTS = {
     # count, so a request's logprobs would depend on what else is in its batch. oneDNN reads its ISA cap at its
     # first primitive.
     "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-    # libgomp's threads spin at a barrier for GOMP_SPINCOUNT rounds before they sleep (300,000 by default, about
-    # a millisecond). On a core another process also runs, a spinning thread and the thread it waits for share
-    # the core's time slices, and every parallel region waits for them: a busy neighbour cut throughput tenfold.
-    # Spinning a few microseconds still bridges the gaps between one step's kernels on a quiet machine
-    # (docs/benchmarks.md, "Shared cores"). libgomp reads it when torch loads it.
+    # libgomp's threads spin at a barrier for GOMP_SPINCOUNT rounds before they sleep (300,000 by default). On a
+    # core another process also runs, a spinning thread and the thread it waits for share the core's time
+    # slices, and every parallel region waits for them. A short spin still bridges the gaps between one step's
+    # kernels on a quiet machine (docs/benchmarks.md, "Shared cores"). libgomp reads it when torch loads it.
     "GOMP_SPINCOUNT": "3000",
 }
 

@@ -25,8 +25,7 @@ SMALL_M = 8  # rows up to which the streaming kernel beats oneDNN/MKL (decode ba
 MIN_ONEDNN_ROWS = 2  # see "Batch invariance" above
 PANEL = 16  # output columns per panel of packed_linear's layout
 # stack_rows of a kernel that is the same at every row count (panels, the quantized kernels): the C++ decoder
-# stack runs every step with it; one op call a step instead of ~8 a layer was +4% on bench throughput's
-# 64-request run.
+# stack runs every step with it: one op call a step instead of about eight a layer.
 ANY_M = 1 << 30
 
 

@@ -98,8 +98,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (special-token strings in the text map to their ids, as in HF)."""
         if len(text) > _GIL_FREE_CHARS:
-            # encode() holds the GIL for the whole text (a 1 MB prompt: ~0.7 s in which no other Python
-            # thread, the server's event loop included, runs); encode_batch releases it.
+            # encode() holds the GIL for the whole text, so no other Python thread, the server's event loop
+            # included, runs while a long prompt encodes; encode_batch releases it.
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -16,8 +16,8 @@ from typing import Any
 
 MAX_SCHEMA_DEPTH = 128  # nesting of the schema document itself (and of refs followed), past which it is refused
 MAX_SCHEMA_VISITS = 200_000  # subschemas sized, refs followed again included: bounds the check's own work
-# Strings of one `choice` list or `enum`: xgrammar's compile time grows faster than linearly with them (a
-# list a hundred times this size compiles for minutes), and each compiled one is held in the cache.
+# Strings of one `choice` list or `enum`: xgrammar's compile time grows faster than linearly with them
+# (docs/reliability.md), and each compiled one is held in the cache.
 MAX_ALTERNATIVES = 4096
 # The longest shortest-instance of any subschema for which jump-forward runs: a forced path is never longer
 # than the shortest way to finish the subschema it lies in.

@@ -1,7 +1,7 @@
 // One op for a layer's attention after the qkv projection: RoPE on the q and k parts of the fused
 // qkv rows (in place), k and v into the paged cache, then paged attention. At decode each of these
-// is microseconds of work, and as three ops (plus the split and views between them) a 30-layer step
-// paid ~25 us per layer in Python and dispatch; here it is one call.
+// is microseconds of work, and as three ops (plus the split and views between them) each layer paid Python
+// and dispatch overhead of the same order; here it is one call.
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>

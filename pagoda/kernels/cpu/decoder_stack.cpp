@@ -1,9 +1,8 @@
 // The decoder layers of a Llama-family model as one op, for steps of a few rows (decode).
 //
 // At decode each op of a layer is microseconds of work, and from Python a layer is eight op calls
-// (two norms, four linears, attention, SiLU), each paying the interpreter and the dispatcher: ~70 us
-// a layer, ~2 ms of a 30-layer step. Here the same kernels run back to back in C++, so a step pays
-// that once. Every kernel is the one the Python path calls (ops.h), so the output is bit-identical.
+// (two norms, four linears, attention, SiLU), each paying the interpreter and the dispatcher, a cost of
+// the same order as the work. Here the same kernels run back to back in C++, so a step pays that once. Every kernel is the one the Python path calls (ops.h), so the output is bit-identical.
 //
 // Per layer l: norms[2l], norms[2l+1] are the input and post-attention RMSNorm weights; linears
 // holds qkv, o, gate_up, down in that order, each as four entries (weight or codes, scales, offsets,

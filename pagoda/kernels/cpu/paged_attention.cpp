@@ -10,8 +10,8 @@
 // fp32 sums): scores straight from the K words, and P rounded to bf16 times V rows, both read in place.
 // fp32, 8-bit and row-major bf16 caches stage each chunk in fp32 and use fp32 FMAs.
 //
-// Only light ATen headers are included: <torch/extension.h> costs ~30 s of compile
-// time versus ~6 s for these. The op is registered through TORCH_LIBRARY (no
+// Only light ATen headers are included: <torch/extension.h> costs several times their
+// compile time. The op is registered through TORCH_LIBRARY (no
 // pybind11) and called from Python as torch.ops.pagoda.paged_attention.
 
 #include <ATen/Parallel.h>

@@ -410,7 +410,7 @@ bool int4a8_supported(int64_t K, int64_t group_size) {
 // matching the low/high nibbles of its 32 bytes. For 32-wide groups a chunk spans two groups: fp32
 // lanes 0..7 of the dot products belong to the first, 8..15 to the second.
 // R weight rows go through together: their dot-product chains are independent (at M = 1 one row's
-// chain is latency-bound) and share each activation load. 1.2-1.4x over R = 1 at M = 1 on Zen 4.
+// chain is latency-bound) and share each activation load.
 template <int M, int R>
 void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, const float* offsets,
                     const float* bias, const uint16_t* xb, const float* xs, c10::BFloat16* y, int64_t ldy, int64_t K,
@@ -425,7 +425,7 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     // The rows ~4 KiB ahead, into L1 while these compute: the hardware prefetcher alone leaves this
-    // loop waiting on memory (in-model at M = 1, 20% faster with it; 8..32 rows ahead all measured alike).
+    // loop waiting on memory (8..32 rows ahead all measured alike).
     const uint8_t* ahead[R];
     for (int r = 0; r < R; ++r) ahead[r] = w + std::min(n + r + prefetch_rows, n1 - 1) * row_bytes;
     auto chunk = [&](int64_t k, __m512 (&gacc)[R][M]) {

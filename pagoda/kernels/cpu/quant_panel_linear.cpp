@@ -229,7 +229,7 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
 }
 
 // Every strip of rows of x over NP panels. Not inlined: inside the caller's lambda GCC kept a tile's
-// accumulators in memory (a store after every dot product, 2.4x slower).
+// accumulators in memory (a store after every dot product).
 template <typename Codes, typename T, int NP>
 __attribute__((noinline)) void strips(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t pstride,
                                       const float* scales, const float* offsets, int64_t G, int64_t gs,
@@ -283,13 +283,13 @@ void run(int64_t kind, const T* xp, int64_t M, int64_t K, const uint8_t* wp, int
   // sit in L1. Threads split the panels evenly, each walks its own tiles. (Unpacking each tile's codes once into
   // an L2 buffer that every strip reads measured no faster at 64-512 rows: the dot products and the per-group
   // scaling bound it. The 8 x 48 dense tile over a tile dequantized to bf16, which ran above 128 rows before, was
-  // 5-14% faster there but rounds the weights, so it changed the sums with the row count.)
+  // faster there but rounds the weights, so it changed the sums with the row count.)
   const int64_t np = M <= 2 ? 4 : 2;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p += np) {
       const int64_t n = std::min<int64_t>(np, p1 - p);
-      // The next tile's codes into L2 while this one computes (at one row 1.3-1.5x faster than the hardware
-      // prefetcher alone over a whole model's cold weights; into L1, or two tiles ahead, measured no better).
+      // The next tile's codes into L2 while this one computes (the hardware prefetcher alone leaves one row
+      // waiting on a whole model's cold weights; into L1, or two tiles ahead, measured no better).
       const uint8_t* next = p + n + np <= p1 ? wp + (p + n) * pstride : nullptr;
       with_codes(kind, [&](auto codes_tag) {
         using Codes = decltype(codes_tag);

@@ -10,7 +10,7 @@
 // broadcast, is FMA'd into the group's dot product, one chain per (row, vector) in k order; at the group's end the
 // chain times the group's scales goes into the running sum, then the offsets times the row's group sum of x (sum_g
 // s_g sum_k q x + o_g sum_k x, which is x . (q s + o)). One FMA a weight where scaling each decoded code first took
-// two: at one row, where decoding bounds the kernel, 1.11x (docs/benchmarks.md). No horizontal sums. That order is
+// two, which pays at one row, where decoding bounds the kernel (docs/benchmarks.md). No horizontal sums. That order is
 // the sum's one order whatever the row count (batch invariance): up to four rows the codes are decoded in registers
 // as they stream (two panels at a time at one row); more rows decode each panel once into an fp32 tile [K][P] that
 // stays in L1/L2 and run every pass over it (the same values, loaded instead of decoded), kRowsPerPass rows at a

@@ -1,8 +1,8 @@
 // y = x @ w^T (+ bias) for a few rows of x (decode: M <= 8), streaming the weight once.
 //
 // At decode a linear layer is a matrix-vector product bound by memory bandwidth. oneDNN/MKL
-// reach ~7-10 GB/s for these shapes on this machine against ~26 GB/s of streaming read, so
-// the weight read dominates a step. Here each weight row is loaded once and dotted against all
+// read the weight well below the machine's streaming rate for these shapes, so the weight read
+// dominates a step. Here each weight row is loaded once and dotted against all
 // M activation rows (AVX-512 FMA for fp32, AVX512-BF16 dot products for bf16), with rows split
 // across threads. Built only where the compiler targets those instructions; otherwise the op
 // reports "unsupported" and callers use F.linear.
