@@ -20,7 +20,7 @@ def main() -> None:
     p.add_argument("sizes", type=int, nargs="+")
     args = p.parse_args()
     tok = load_tokenizer(resolve_model_files(default_model_path()))
-    backend = StructuredOutputManager(tok, 49152, "auto").backend  # the backend itself: no limits, built first
+    backend = StructuredOutputManager(tok, 49152).backend  # the backend itself: no limits, built first
     for n in args.sizes:
         choice = [f"item number {i}" for i in range(n)]
         t0 = time.perf_counter()

@@ -104,6 +104,35 @@ class SchedulerConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    backend: str = "auto"  # grammar library: auto (xgrammar, else llguidance), xgrammar, guidance
+    # Append the text a grammar forces (JSON keys, punctuation) in one step instead of one step per token.
+    jump_forward: bool = True
+    # 0: grammars compile on threads of this process (trusted input: LLM's default). N: in up to N worker
+    # processes, each killed when its compile runs past compile_timeout, grows past compile_memory, or is no
+    # longer wanted (the server's default, structured/compile_workers.py).
+    compile_workers: int = 0
+    compile_timeout: float | None = None   # seconds one compile may run (worker processes only)
+    compile_memory: int | str | None = None  # bytes one compile may add to its worker (worker processes only)
+    cache_memory: int | str = "1GiB"       # compiled grammars kept for reuse, least recently used evicted first
+
+    def validate(self) -> None:
+        from pagoda.structured.manager import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
+        if not isinstance(self.compile_workers, int) or self.compile_workers < 0:
+            raise ValueError("structured_outputs_compile_workers must be a non-negative integer")
+        if self.compile_timeout is not None and not 0 < self.compile_timeout < float("inf"):
+            raise ValueError("structured_outputs_compile_timeout must be a positive number of seconds")
+        for name in ("compile_memory", "cache_memory"):
+            value = parse_memory(getattr(self, name))
+            if value is not None and value <= 0:
+                raise ValueError(f"structured_outputs_{name} must be positive")
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
@@ -113,9 +142,6 @@ class EngineConfig:
     quantization: str | None = None  # weight quantization method (pagoda.quantization), None = as stored
     quantization_group_size: int = 128  # int4 group size (32, 64 or 128; smaller where K needs it)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram"|"draft_model"|"self", ...}
-    structured_outputs_backend: str = "auto"  # grammar library: auto (xgrammar, else llguidance), xgrammar, guidance
-    # Append the text a grammar forces (JSON keys, punctuation) in one step instead of one step per token.
-    structured_outputs_jump_forward: bool = True
     # auto: the C++ CPU kernels' best build for this CPU; native / avx2: that build
     # (-march=native / x86-64-v3, kernels/cpu_extension.py); either is an error where it can't build or run;
     # torch: torch ops only
@@ -132,21 +158,24 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kw: Any) -> "EngineConfig":
         """Build from vLLM-style flat keyword arguments (dtype=, block_size=, ...)."""
         cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
+        structured_keys = {f"structured_outputs_{f}" for f in StructuredOutputsConfig.__dataclass_fields__}
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
-                    "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward",
-                    "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size"}
-        unknown = set(kw) - cache_keys - sched_keys - top_keys
+                    "quantization_group_size", "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size"}
+        unknown = set(kw) - cache_keys - sched_keys - structured_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         cfg = cls(model=model, **{k: v for k, v in kw.items() if k in top_keys and v is not None})
         cfg.cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_keys and v is not None})
         cfg.scheduler = SchedulerConfig(**{k: v for k, v in kw.items() if k in sched_keys and v is not None})
+        cfg.structured = StructuredOutputsConfig(**{k.removeprefix("structured_outputs_"): v for k, v in kw.items()
+                                                    if k in structured_keys and v is not None})
         if cfg.cache.block_size <= 0:
             raise ValueError("block_size must be positive")
         if cfg.scheduler.max_num_seqs <= 0 or cfg.scheduler.max_num_batched_tokens <= 0:
@@ -175,11 +204,7 @@ class EngineConfig:
                              f"supported; choose one of {GROUP_SIZES}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
-        from pagoda.structured.manager import BACKENDS
-
-        if self.structured_outputs_backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
-                             f"got {self.structured_outputs_backend!r}")
+        self.structured.validate()
 
     def kernel_policy(self) -> KernelPolicy:
         """The kernels this engine's models may use, resolved once (the C++ build is tried here)."""

@@ -1,4 +1,5 @@
-"""A request's grammar compile has a deadline and ends with its client, without holding the server's threads."""
+"""The server's side of a grammar compile: awaited without holding a thread, cancelled (its worker killed) when
+the last client waiting for it leaves, a 400 for the constraint's failures and a 503 when the server stops."""
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +11,12 @@ from pagoda import SamplingParams
 from pagoda.entrypoints.server.errors import APIError
 from pagoda.entrypoints.server.serving import Serving
 from pagoda.entrypoints.server.settings import ServerSettings
+from pagoda.structured.compile_workers import CompileBudgetError, CompileCancelled
 
 
 class _Core:
     def __init__(self) -> None:
-        self.future: Future = Future()  # a compile that never ends (queued: not started)
+        self.future: Future = Future()  # a compile that has not ended
 
     def start_compile(self, params: SamplingParams) -> Future:
         return self.future
@@ -31,34 +33,50 @@ class _Request:
         return {"type": "http.disconnect"}
 
 
-def _serving(timeout: float) -> tuple[Serving, _Core]:
+def _serving() -> tuple[Serving, _Core]:
     s = Serving.__new__(Serving)
     s.core = _Core()
-    s.settings = ServerSettings(served_model_names=["m"], structured_outputs_compile_timeout=timeout)
+    s.settings = ServerSettings(served_model_names=["m"])
+    s._compile_waiters = {}
     return s, s.core
 
 
 PARAMS = SamplingParams(structured_outputs={"regex": "a+"})
 
 
-def test_a_compile_past_its_deadline_is_a_400_naming_the_flag() -> None:
-    s, core = _serving(0.2)
+def _status(s: Serving, request: _Request) -> int:
     with pytest.raises(APIError) as e:
-        asyncio.run(s.compile_constraint(PARAMS, _Request(None)))
-    assert e.value.status == 400 and "--structured-outputs-compile-timeout" in str(e.value)
-    assert core.future.cancelled()  # it had not started: it never will
+        asyncio.run(s.compile_constraint(PARAMS, request))
+    return e.value.status
 
 
-def test_a_compile_whose_client_left_is_dropped() -> None:
-    s, core = _serving(30)
-    with pytest.raises(APIError) as e:
-        asyncio.run(s.compile_constraint(PARAMS, _Request(0.1)))
-    assert e.value.status == 499 and core.future.cancelled()
+def test_a_compile_whose_only_client_left_is_cancelled() -> None:
+    s, core = _serving()
+    assert _status(s, _Request(0.1)) == 499 and core.future.cancelled()
 
 
-def test_a_compile_error_is_the_requests_400() -> None:
-    s, core = _serving(30)
-    core.future.set_exception(ValueError("structured_outputs: the regex does not compile: bad"))
-    with pytest.raises(APIError) as e:
-        asyncio.run(s.compile_constraint(PARAMS, _Request(None)))
-    assert e.value.status == 400 and "does not compile" in str(e.value)
+def test_a_compile_another_client_still_waits_for_runs_on() -> None:
+    s, core = _serving()
+
+    async def both() -> list[object]:
+        staying = asyncio.create_task(s.compile_constraint(PARAMS, _Request(None)))
+        leaving = asyncio.create_task(s.compile_constraint(PARAMS, _Request(0.1)))
+        await asyncio.sleep(0.3)
+        assert not core.future.cancelled()  # the leaving one did not cancel it for the other
+        core.future.set_result("compiled")
+        return await asyncio.gather(staying, leaving, return_exceptions=True)
+
+    staying, leaving = asyncio.run(both())
+    assert staying is None and isinstance(leaving, APIError) and leaving.status == 499
+    assert not s._compile_waiters
+
+
+@pytest.mark.parametrize("error, status", [
+    (ValueError("structured_outputs: the regex does not compile: bad"), 400),
+    (CompileBudgetError("structured_outputs: the regex did not compile within 1 s"), 400),
+    (CompileCancelled(), 503),
+])
+def test_a_compile_failure_is_the_requests_error(error: Exception, status: int) -> None:
+    s, core = _serving()
+    core.future.set_exception(error)
+    assert _status(s, _Request(None)) == status

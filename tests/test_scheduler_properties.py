@@ -118,7 +118,9 @@ def test_random_workloads_finish_without_leaks_or_wrong_kv(specs, num_blocks, bl
             prompt = (PREFIXES[shared] if shared < len(PREFIXES) else []) + tail
             if kv.blocks_needed(len(prompt) + out_len) > num_blocks:
                 continue  # the engine rejects these at admission
-            req = Request(str(step), None, prompt, SamplingParams(n=n), out_len, cache_salt=salt)
+            # Three clients, so seats also move between them (the scheduler's fairness rule).
+            req = Request(str(step), None, prompt, SamplingParams(n=n), out_len, cache_salt=salt,
+                          client=f"c{len(pending) % 3}")
             req.abort_at = abort_at if abort else None  # type: ignore[attr-defined]
             seq = sim.new_seq(req, prompt, 0)
             sched.add(seq)

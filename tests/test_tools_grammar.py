@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM
+from pagoda.config import StructuredOutputsConfig
 from pagoda.structured.manager import StructuredOutputManager
 from pagoda.tools import parse_tools, plan_tools
 from pagoda.tools.formats import HERMES, LLAMA3_JSON
@@ -25,7 +26,7 @@ def _accepts(matcher, tokenizer, text: str) -> bool:  # noqa: ANN001
 def test_auto_constrains_a_call_from_its_opening_on(smollm_llm: LLM, backend: str, fmt, opening: str,  # noqa: ANN001
                                                      body: str) -> None:
     tok = smollm_llm.engine.tokenizer
-    manager = StructuredOutputManager(tok, smollm_llm.engine.args.vocab_size, backend)
+    manager = StructuredOutputManager(tok, smollm_llm.engine.args.vocab_size, StructuredOutputsConfig(backend=backend))
     plan = plan_tools(parse_tools([TOOL], "auto", None), fmt, None)
     grammar = manager.compile(plan.constraint).result()
     free = manager.matcher(grammar)

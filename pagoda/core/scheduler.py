@@ -1,18 +1,23 @@
-"""Scheduler: continuous batching with one rule.
+"""Scheduler: continuous batching with one rule for the budget and one for fairness.
 
 Every running sequence is scheduled for the tokens it still needs (num_tokens - num_computed_tokens, plus
-any speculative proposals to verify),
-within a per-step token budget and a sequence cap. A decode needs one token; a prompt gets a chunk.
-That single rule yields chunked prefill and mixed prefill/decode steps, as in vLLM v1. When the pool
-runs dry, the newest running sequence is preempted (KV dropped, recomputed later). FCFS order.
+any speculative proposals to verify), within a per-step token budget and a sequence cap. A decode needs one
+token; a prompt gets a chunk. That yields chunked prefill and mixed prefill/decode steps, as in vLLM v1. When
+the pool runs dry, the newest running sequence is preempted (KV dropped, recomputed later).
+
+Fairness (core/fairness.py): the budget goes to decodes first, then to new sequences, then to prompts under
+way, least computed first, so a short prompt gets its first token within a step or two however long the
+prompts around it are. Seats go to the client holding fewest (then, within a client, the request): while
+someone waits and the seats are full, a client or request holding two more seats than the waiter yields its
+newest one. One client, or one request's `n`, can hold every seat only while nobody else wants one.
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
+from pagoda.core.fairness import Seats, WaitingQueue, client_of
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.engine.request import SeqStatus, Sequence
 
@@ -21,7 +26,8 @@ from pagoda.engine.request import SeqStatus, Sequence
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled: list[int] = field(default_factory=list)  # tokens per scheduled sequence
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # for want of KV blocks
+    yielded: list[Sequence] = field(default_factory=list)    # seats handed to a fairer waiter
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -31,12 +37,16 @@ class SchedulerOutput:
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled.append(num_tokens)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -54,37 +64,39 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        seats = Seats.of(self.running)
+        self._yield_seats(seats, out)
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
 
-        # 1) Running sequences first, oldest first.
+        # 1) Decodes, oldest first; prompts under way wait for step 3.
+        prefilling: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_computed_tokens < seq.num_tokens - 1:
+                prefilling.append(seq)
+                i += 1
+                continue
             # Proposals to verify count like tokens (vLLM v1's num_tokens_with_spec); the budget may trim them.
             num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             del seq.spec_token_ids[max(0, seq.num_computed_tokens + num_new - seq.num_tokens):]
             if num_new <= 0:  # nothing to do (should not happen: finished seqs leave at once)
                 i += 1
                 continue
-            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
-                victim = self.running.pop()  # the newest
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                out.seqs.append(seq)
-                out.num_scheduled.append(num_new)
-                scheduled.add(seq.seq_id)
-                budget -= num_new
-                i += 1
-                continue
-            break  # seq itself was preempted: it was the newest, nothing after it
+            # Victims come from the end: never a sequence already scheduled or set aside above.
+            if not self._allocate_or_preempt(seq, num_new, out, seats):
+                break  # seq itself was preempted: it was the newest, nothing after it
+            out.add(seq, num_new)
+            budget -= num_new
+            i += 1
 
-        # 2) Admit waiting sequences (FCFS) while budget, seats and blocks allow; never jump a preemption.
+        # 2) Admit waiting sequences, fairest first, while budget, seats and blocks allow; never jump a
+        # preemption for want of blocks.
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting.fairest(seats)
+                if seq is None:
+                    break
                 num_cached = self._acquire_cached_prefix(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
@@ -97,14 +109,61 @@ class Scheduler:
                     self.kv.stats.queries += seq.num_tokens
                     self.kv.stats.hits += num_cached
                     seq.num_cached_tokens = num_cached
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-                out.seqs.append(seq)
-                out.num_scheduled.append(num_new)
+                seats.take(seq)
+                out.add(seq, num_new)
                 budget -= num_new
+
+        # 3) Prompts under way, least computed first: a long prompt shares the budget with the ones that
+        # came after it instead of holding it until it is done.
+        prefilling.sort(key=lambda s: s.num_computed_tokens)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted above
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if out.seqs:
+                # Blocks are short and others progress: wait for theirs rather than preempt a scheduled row.
+                if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                    break
+            elif not self._allocate_or_preempt(seq, num_new, out, seats):
+                continue
+            out.add(seq, num_new)
+            budget -= num_new
         out.block_copies = self.kv.take_copies()
         return out
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput, seats: Seats) -> bool:
+        """Slots for `num_new` tokens of `seq`, preempting the newest running sequences until they fit;
+        False where `seq` itself had to go."""
+        while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+            victim = self.running.pop()  # the newest
+            seats.give(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _yield_seats(self, seats: Seats, out: SchedulerOutput) -> None:
+        """While the seats are full and the fairest waiter's group holds two fewer than the group holding
+        most, that group's newest sequence goes back to waiting (its KV is recomputed, from the prefix cache
+        where it can): one seat per round, so the gap narrows and never swings back."""
+        while len(self.running) >= self.config.max_num_seqs:
+            waiter = self.waiting.fairest(seats)
+            if waiter is None:
+                return
+            holder = max(reversed(self.running), key=lambda s: (seats.by_client[client_of(s)],
+                                                                 seats.by_request[s.request.request_id]))
+            if not seats.owes(holder, waiter):
+                return
+            self.running.remove(holder)
+            seats.give(holder)
+            self._preempt(holder)
+            out.yielded.append(holder)
 
     def _acquire_cached_prefix(self, seq: Sequence) -> int:
         """Reuse cached KV for a sequence that has none yet (new, or preempted and recomputing)."""
@@ -115,7 +174,7 @@ class Scheduler:
         seq.num_computed_tokens = self.kv.acquire_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
         return seq.num_computed_tokens
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV; it is recomputed (prompt + output so far) when readmitted."""
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
@@ -124,7 +183,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
     def cut_proposals(self, sched: SchedulerOutput) -> None:
         """After drafting: a row whose drafter or grammar filled fewer proposals than were scheduled (model

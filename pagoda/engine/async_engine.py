@@ -79,6 +79,7 @@ class AddRequest:
     stream: _Stream
     accepted: asyncio.Future
     cache_salt: str | None = None
+    client: str | None = None
 
 
 @dataclass
@@ -116,6 +117,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._step_began: float | None = None  # monotonic start of the step under way, None between steps
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -127,6 +129,12 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def step_seconds(self) -> float:
+        """How long the step under way has run (0 between steps): a rank that stopped shows here first."""
+        began = self._step_began
+        return 0.0 if began is None else time.monotonic() - began
 
     @property
     def num_in_flight(self) -> int:
@@ -172,7 +180,7 @@ class AsyncEngine:
         return (await self.add_requests([(prompt, rid)], params, cache_salt))[0]
 
     async def add_requests(self, prompts: list[tuple[str | list[int], str]], params: SamplingParams,
-                           cache_salt: str | None = None) -> list[tuple[str, asyncio.Queue]]:
+                           cache_salt: str | None = None, client: str | None = None) -> list[tuple[str, asyncio.Queue]]:
         """Queue every (prompt, request id) at once, in one hand-off to the worker (which adds them all before
         its next step), or none: where one is refused, the others are aborted and its error is raised.
         Cancelled (the client left), every one of them is aborted."""
@@ -181,7 +189,7 @@ class AsyncEngine:
         if self._stopping:
             raise EngineDeadError("server is shutting down")
         loop = asyncio.get_running_loop()
-        adds = [AddRequest(prompt, params, rid, _Stream(loop), loop.create_future(), cache_salt)
+        adds = [AddRequest(prompt, params, rid, _Stream(loop), loop.create_future(), cache_salt, client)
                 for prompt, rid in prompts]
         with self._cond:
             # Checked again under the lock: a worker dying after the check above must not strand these adds.
@@ -293,7 +301,8 @@ class AsyncEngine:
         for cmd in commands:
             if isinstance(cmd, AddRequest):
                 try:
-                    req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cache_salt=cmd.cache_salt)
+                    req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cache_salt=cmd.cache_salt,
+                                                  client=cmd.client)
                 except Exception as e:  # ValueError for bad input: the caller gets it
                     self._reject(cmd, e)
                     continue
@@ -333,7 +342,11 @@ class AsyncEngine:
         try:
             # step() fails the requests a failure belongs to and returns; reaching the handler below
             # means a bug in the engine's own recovery.
-            outputs = self.engine.step()
+            self._step_began = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            finally:
+                self._step_began = None
         except WorkerDiedError:  # the engine cannot go on: _run fails everything and refuses new work
             raise
         except Exception:

@@ -84,8 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
-        self.structured = StructuredOutputManager(self.tokenizer, self.args.vocab_size,
-                                                  config.structured_outputs_backend,
+        self.structured = StructuredOutputManager(self.tokenizer, self.args.vocab_size, config.structured,
                                                   max_model_len=self.max_model_len)
         self._awaiting_grammar: list[Request] = []  # structured requests whose grammar still compiles
         self._step_seqs: list[Sequence] | None = None  # the running step's sequences, failed together if need be
@@ -104,8 +103,10 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError for anything that can never run."""
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    client: str | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError for anything that can never run. `client` names
+        whose fair share of the seats it takes (the scheduler's rule); None makes it its own."""
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -134,7 +135,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._req_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, text, ids, params, max_tokens, cache_salt=cache_salt,
+        req = Request(rid, text, ids, params, max_tokens, cache_salt=cache_salt, client=client,
                       stop_ids=self.outputs.stop_ids(params))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -187,7 +188,7 @@ class LLMEngine:
             seq.finish_reason = "stop"  # the grammar is complete: nothing may follow
 
     def _jump_if_forced(self, seq: Sequence) -> None:
-        if seq.finish_reason is None and seq.matcher is not None and self.config.structured_outputs_jump_forward \
+        if seq.finish_reason is None and seq.matcher is not None and self.config.structured.jump_forward \
                 and seq.request.params.logprobs is None:  # jumped tokens have no logprobs of their own
             self._jump_forward(seq, seq.matcher)
 

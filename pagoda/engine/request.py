@@ -76,6 +76,7 @@ class Request:
     metrics: RequestMetrics | None = None
     aborted: bool = False
     cache_salt: str | None = None   # isolates this tenant's prefix cache entries
+    client: str | None = None       # whose share of the seats it takes (core/fairness.py); None = its own
     stop_ids: set[int] = field(default_factory=set)  # token ids that end a sequence (EOS unless ignored)
     error: str | None = None        # set when the engine failed this request (finish_reason "error")
     error_status: int = 500         # 400: the request's own fault (its constraint); 500: the engine's

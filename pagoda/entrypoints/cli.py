@@ -98,7 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
             "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
-            "int4_activations", "kernel_tuning", "tensor_parallel_size"]
+            "int4_activations", "kernel_tuning", "tensor_parallel_size", "structured_outputs_compile_workers",
+            "structured_outputs_compile_timeout", "structured_outputs_compile_memory"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

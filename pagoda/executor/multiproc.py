@@ -13,7 +13,6 @@ than hang.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -23,7 +22,6 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +36,7 @@ from pagoda.executor.model_runner import ModelOutput, ModelRunner, StepInput, ro
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles, resolve_model_files
+from pagoda.spawn import main_module_not_rerun
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ class TensorParallelRunner:
                                name=f"pagoda-tp-rank{r}", daemon=True) for r in range(1, world)]
         outputs: list[RankOutput] = []
         try:
-            with _main_module_not_rerun():
+            with main_module_not_rerun():
                 for r, w in enumerate(workers, start=1):
                     outputs.append(RankOutput.start(w, r))
             watch = StartupWatch(ready, workers, outputs, comm, _START_TIMEOUT_S)
@@ -222,26 +221,6 @@ class TensorParallelRunner:
             if w.is_alive():
                 w.kill()
         self.comm.close()
-
-
-@contextlib.contextmanager
-def _main_module_not_rerun() -> Iterator[None]:
-    """spawn runs the parent's main script again in each new process, by its path or module name, before the
-    worker's function: a script without the `if __name__ == "__main__":` guard would start engines in its workers,
-    and one read from standard input cannot be found at all. The workers run pagoda's own function on pagoda's own
-    objects and need nothing of the main script, so it is hidden from spawn while they start."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None  # spawn reads it, so it must exist
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
 
 
 @dataclass

@@ -46,6 +46,15 @@ class GrammarBackend(Protocol):
     def compile(self, params: StructuredOutputsParams) -> Any:
         """A compiled grammar; raises ValueError naming what is wrong with the constraint. Thread-safe."""
 
+    def compile_serialized(self, params: StructuredOutputsParams) -> str:
+        """compile(), as the library's own serialized text (for a compile in another process)."""
+
+    def deserialize(self, text: str) -> Any:
+        """The compiled grammar that compile_serialized wrote."""
+
+    def size_bytes(self, compiled: Any) -> int:
+        """Memory the compiled grammar holds (what the grammar cache counts)."""
+
     def matcher(self, compiled: Any) -> Matcher: ...
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor: ...
@@ -55,3 +64,15 @@ class GrammarBackend(Protocol):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Set the logits of forbidden tokens to -inf, in place, row i by bitmask[i]."""
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend:
+    """The backend `name` ("xgrammar" or "guidance") over a `tokenizers.Tokenizer`; building one reads the
+    whole vocabulary (about a second)."""
+    if name == "xgrammar":
+        from pagoda.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    from pagoda.structured.guidance_backend import GuidanceBackend
+
+    return GuidanceBackend(tokenizer, vocab_size, stop_token_ids)

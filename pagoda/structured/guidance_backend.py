@@ -98,6 +98,15 @@ class GuidanceBackend:
             raise ValueError(f"structured_outputs: the {kind} does not compile: {_reason(error)}")
         return GuidanceGrammar(grammar, start)
 
+    def compile_serialized(self, params: StructuredOutputsParams) -> str:
+        return self.compile(params).grammar
+
+    def deserialize(self, text: str) -> GuidanceGrammar:
+        return GuidanceGrammar(text, self._llg.LLMatcher(self._tokenizer, text, log_level=0))
+
+    def size_bytes(self, compiled: GuidanceGrammar) -> int:
+        return len(compiled.grammar)  # the lexer grows as tokens come, in each matcher: not the cache's
+
     def _grammar(self, params: StructuredOutputsParams) -> str:
         """The constraint as llguidance's grammar text (checked when a matcher is built from it)."""
         m, kind = self._llg.LLMatcher, params.kind

@@ -1,7 +1,9 @@
 """StructuredOutputManager: compiles constraints off the step loop and fills one bitmask per step.
 
-Compiling runs in a small thread pool and is cached by the constraint's text, so the same schema compiles
-once; a request waits outside the scheduler until its grammar is ready while other requests keep running.
+Compiling runs in a small thread pool of its own (never the threads that tokenize requests), in killable
+worker processes where the config asks for them (compile_workers.py), and is cached by the constraint's text
+within a memory budget, so the same schema compiles once; a request waits outside the scheduler until its
+grammar is ready while other requests keep running.
 Each step fills one bitmask for all constrained rows and applies it to those rows' logits only: the other
 rows of the batch are not touched, so they are bit-identical to a batch without constrained rows.
 
@@ -11,19 +13,24 @@ so each fills its own rows and one kernel applies the whole mask.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pagoda.structured.backend import GrammarBackend, Matcher
+from pagoda.config import StructuredOutputsConfig, parse_memory
+from pagoda.structured.backend import GrammarBackend, Matcher, make_backend
+from pagoda.structured.compile_workers import (CompileBudget, CompileBudgetError, CompileCancelled, CompileWorkers,
+                                               WorkerSpec)
 from pagoda.structured.limits import JUMP_FORWARD_MAX_CHARS, check_alternatives, json_schema_sizes
 from pagoda.structured.params import StructuredOutputsParams
 
@@ -75,20 +82,34 @@ class CompiledConstraint:
     jump_forward: bool
 
 
+@dataclass
+class _Cached:
+    future: Future
+    size: int = 0  # bytes, once compiled
+
+
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, backend: str = "auto", cache_size: int = 512,
-                 max_model_len: int | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, config: StructuredOutputsConfig | None = None,
+                 max_model_len: int | None = None, max_entries: int = 512) -> None:
         """`max_model_len`: a JSON schema whose shortest instance cannot fit in this many tokens is refused."""
-        self._tried = backends_tried(backend)
+        config = config or StructuredOutputsConfig()
+        self._tried = backends_tried(config.backend)
         self._tokenizer, self._vocab_size, self._max_model_len = tokenizer, vocab_size, max_model_len
         self._backends: dict[str, GrammarBackend] = {}
         # The backend that made each type of matcher (no two backends share a type).
         self._made_by: dict[type, GrammarBackend] = {}
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()  # building a backend takes a second: cache hits need not wait
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagoda-grammar")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._cache_size = cache_size
+        self._pool = ThreadPoolExecutor(max_workers=max(2, config.compile_workers), thread_name_prefix="pagoda-grammar")
+        self._workers: CompileWorkers | None = None
+        if config.compile_workers:
+            spec = WorkerSpec(tokenizer.backend.to_str(), vocab_size, tuple(sorted(tokenizer.stop_token_ids)))
+            budget = CompileBudget(config.compile_timeout, parse_memory(config.compile_memory))
+            self._workers = CompileWorkers(spec, config.compile_workers, budget)
+            self._workers.prestart()
+        self._cache: OrderedDict[tuple[str, str], _Cached] = OrderedDict()
+        self._cache_bytes, self._cache_limit = 0, int(parse_memory(config.cache_memory) or 0)
+        self._max_entries = max_entries
         self.stats = MaskStats()
 
     @property
@@ -101,41 +122,84 @@ class StructuredOutputManager:
         with self._build_lock:
             backend = self._backends.get(name)
             if backend is None:
-                stop = sorted(self._tokenizer.stop_token_ids)
-                if name == "xgrammar":
-                    from pagoda.structured.xgrammar_backend import XGrammarBackend
-
-                    backend = XGrammarBackend(self._tokenizer.backend, self._vocab_size, stop)
-                else:
-                    from pagoda.structured.guidance_backend import GuidanceBackend
-
-                    backend = GuidanceBackend(self._tokenizer.backend, self._vocab_size, stop)
+                backend = make_backend(name, self._tokenizer.backend, self._vocab_size,
+                                       sorted(self._tokenizer.stop_token_ids))
                 self._backends[name] = backend
             return backend
 
     def compile(self, params: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `params`, as a Future (done at once on a cache hit). Thread-safe."""
+        """The compiled grammar of `params`, as a Future (done at once on a cache hit). Thread-safe.
+
+        The future stays cancellable while it compiles: cancelling it (every client of the compile left) kills
+        the worker process compiling it. A constraint that failed stays cached as failed, so sending it again
+        costs nothing; a cancelled one is compiled again when asked."""
         key = params.key()
         with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None and not fut.cancelled() and not (fut.done() and fut.exception() is not None):
+            cached = self._cache.get(key)
+            if cached is not None and not cached.future.cancelled():
                 self._cache.move_to_end(key)
-                return fut
-            fut = self._pool.submit(self._compile, params)
-            self._cache[key] = fut
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+                return cached.future
+            fut: Future = Future()
+            self._cache[key] = _Cached(fut)
+            self._pool.submit(self._run, params, key, fut)
+            self._evict()
             return fut
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
+    def close(self) -> None:
+        """Kill the compile workers (their compiles fail at once); the server calls it as it stops."""
+        if self._workers is not None:
+            self._workers.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, params: StructuredOutputsParams, key: tuple[str, str], fut: Future) -> None:
+        """Compile into `fut` (left PENDING meanwhile, so the waiter can still cancel it), then account its size."""
+        try:
+            compiled = self._compile(params, fut.cancelled)
+        except CompileCancelled as e:  # its waiters left (then this is a no-op), or the manager closed
+            with contextlib.suppress(InvalidStateError):
+                fut.set_exception(e)
+            return
+        except BaseException as e:  # noqa: BLE001 - ValueError is the constraint's; anything else the waiter's to see
+            with contextlib.suppress(InvalidStateError):
+                fut.set_exception(e)
+            return
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None and cached.future is fut:
+                cached.size = compiled.backend.size_bytes(compiled.grammar)
+                self._cache_bytes += cached.size
+                self._evict(keep=key)
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+            fut.set_result(compiled)
+
+    def _evict(self, keep: tuple[str, str] | None = None) -> None:
+        """Least recently used first, until the cache is within its bytes and entries (under self._lock). A
+        grammar larger than the whole budget is not kept: the requests using it hold it while they run."""
+        for key in list(self._cache):
+            if self._cache_bytes <= self._cache_limit and len(self._cache) <= self._max_entries:
+                break
+            if key == keep and self._cache[key].size <= self._cache_limit:
+                continue
+            cached = self._cache[key]
+            if not cached.future.done() and key != keep:
+                continue  # compiling: its size is not known yet
+            self._cache_bytes -= cached.size
+            del self._cache[key]
+
+    def _compile(self, params: StructuredOutputsParams, cancelled: Callable[[], bool]) -> CompiledConstraint:
         """The first backend's grammar that compiles; if none does, the first one's error (and the others').
-        A constraint that limits.py refuses reaches no backend."""
+        A constraint that limits.py refuses reaches no backend; one past its budget is tried by no other."""
         bounded = self._check_limits(params)
         errors: list[tuple[str, ValueError]] = []
         for name in self._tried:
             backend = self._get(name)
             try:
-                compiled = backend.compile(params)
+                if self._workers is None:
+                    compiled = backend.compile(params)
+                else:
+                    compiled = backend.deserialize(self._workers.compile(name, params, cancelled))
+            except CompileBudgetError:
+                raise
             except ValueError as e:
                 errors.append((name, e))
                 continue

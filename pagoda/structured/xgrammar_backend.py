@@ -50,6 +50,7 @@ class XGrammarBackend:
         self._xgr = xgr
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._info = info
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
         # One thread: the mask is filled between forward passes, and on a CPU engine more threads only
@@ -83,6 +84,15 @@ class XGrammarBackend:
             if "] " in reason and reason.startswith("["):
                 reason = reason.split(": ", 1)[-1]
             raise ValueError(f"structured_outputs: the {kind} does not compile: {reason}") from None
+
+    def compile_serialized(self, params: StructuredOutputsParams) -> str:
+        return str(self.compile(params).serialize_json())
+
+    def deserialize(self, text: str) -> Any:
+        return self._xgr.CompiledGrammar.deserialize_json(text, self._info)
+
+    def size_bytes(self, compiled: Any) -> int:
+        return int(compiled.memory_size_bytes)
 
     def matcher(self, compiled: Any) -> Matcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))

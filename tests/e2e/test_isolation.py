@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,12 +24,15 @@ INNOCENT_TOKENS = 48
 BODY_LIMIT = 1 << 20
 MAX_WAITING = 16
 MAX_NUM_SEQS = 16
+MAX_CONNECTIONS = 64
+HEADER_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--max-waiting-requests", str(MAX_WAITING), "--max-request-body-bytes", str(BODY_LIMIT))
+                        "--max-waiting-requests", str(MAX_WAITING), "--max-request-body-bytes", str(BODY_LIMIT),
+                        "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", str(HEADER_TIMEOUT))
     try:
         srv.wait_ready()
         yield srv
@@ -201,6 +205,77 @@ def test_a_batch_whose_client_left_is_aborted_whole_and_counted(server: ServerPr
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
     _wait_idle(server, "the abandoned batch", timeout=15)
     assert _gauge(server, "pagoda:request_success_total", finished_reason="abort") - before == MAX_WAITING
+
+
+def test_one_request_holding_every_seat_yields_one_to_a_newcomer(server: ServerProcess) -> None:
+    """n = max_num_seqs takes every seat; a 4-token request from another user still gets one within a step
+    or two and finishes long before the hog does (the scheduler's fairness rule)."""
+    done: dict[str, float] = {}
+
+    def hog() -> None:
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "n": MAX_NUM_SEQS,
+                                              "max_tokens": 200, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        done["hog"] = time.monotonic()
+
+    thread = threading.Thread(target=hog)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while _gauge(server, "pagoda:num_requests_running") < 1:  # the hog has forked its n samples
+        assert time.monotonic() < deadline, "the hog never started"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    start = time.monotonic()
+    r = _post(server, "/v1/completions", _cmpl(user="newcomer", ignore_eos=True))
+    done["newcomer"] = time.monotonic()
+    thread.join(timeout=300)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert done["newcomer"] < done["hog"], (done, start)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def test_slow_header_clients_are_capped_and_cut_at_the_header_deadline(server: ServerProcess) -> None:
+    """Four times --max-connections sockets that send half a request line and stop (slowloris): those past the
+    cap are closed at once, the rest at --header-timeout; a stream that was running finishes exactly, the log
+    stays short, and /health answers as soon as the deadline has passed."""
+    log_before = len(server.log_tail(10**9))
+    result: dict[str, Any] = {}
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": INNOCENT_TOKENS, "ignore_eos": True}
+        result["r"] = _post(server, "/v1/completions", body)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.5)
+    socks = []
+    for _ in range(4 * MAX_CONNECTIONS):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    time.sleep(0.5)
+    for s in socks:
+        s.setblocking(False)
+    refused = sum(_closed_by_peer(s) for s in socks)
+    assert refused >= 3 * MAX_CONNECTIONS, f"only {refused} of {len(socks)} closed at the cap"
+    time.sleep(HEADER_TIMEOUT + 1.0)
+    assert all(_closed_by_peer(s) for s in socks), "a slow-header connection outlived --header-timeout"
+    t0 = time.monotonic()
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 < 1.0
+    t.join(timeout=120)
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == INNOCENT_TOKENS
+    for s in socks:
+        s.close()
+    assert len(server.log_tail(10**9)) - log_before < 20_000, "the flood filled the log"
 
 
 def _rss_mb(pid: int) -> float:

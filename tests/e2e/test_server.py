@@ -385,7 +385,8 @@ class FakeEngine:
         return EngineStats(num_running=len(self.requests) - len(self.scheduler.waiting),
                            num_waiting=len(self.scheduler.waiting), num_free_blocks=100)
 
-    def add_request(self, prompt: Any, params: Any, request_id: str, cache_salt: str | None = None) -> Any:
+    def add_request(self, prompt: Any, params: Any, request_id: str, cache_salt: str | None = None,
+                    client: str | None = None) -> Any:
         params.validate()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

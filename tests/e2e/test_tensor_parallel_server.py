@@ -16,12 +16,13 @@ from pagoda import LLM, SamplingParams
 from tests.e2e.conftest import MODEL_NAME, ServerProcess, free_port
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+STEP_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
 def tp_server() -> Iterator[ServerProcess]:
     srv = ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
-                        "--served-model-name", MODEL_NAME)
+                        "--served-model-name", MODEL_NAME, "--step-timeout", str(STEP_TIMEOUT))
     try:
         srv.wait_ready()
         yield srv
@@ -39,6 +40,28 @@ def test_chat_and_stream_equal_one_process(tp_server: ServerProcess, default_ggu
     stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=16,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_a_stopped_rank_makes_health_503_until_it_resumes(tp_server: ServerProcess) -> None:
+    """SIGSTOP on rank 1 mid-stream: /health turns 503 once a step has run past --step-timeout, and 200 again
+    after SIGCONT, when the stream finishes with every token."""
+    rank1 = max(psutil.Process(tp_server.proc.pid).children(recursive=True), key=lambda p: p.memory_info().rss)
+    client = openai.OpenAI(base_url=f"{tp_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=64, stream=True,
+                                       extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(rank1.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + STEP_TIMEOUT + 10
+        while httpx.get(f"{tp_server.url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/health stayed 200 with a stopped rank"
+            time.sleep(0.2)
+    finally:
+        os.kill(rank1.pid, signal.SIGCONT)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[0].completion_tokens == 64
+    assert httpx.get(f"{tp_server.url}/health", timeout=5).status_code == 200
 
 
 def test_a_dead_rank_turns_the_server_into_503s(tp_server: ServerProcess) -> None:

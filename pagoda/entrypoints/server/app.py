@@ -135,6 +135,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     async def health() -> Response:
         if not engine.is_running:
             return error_response(503, "engine is not running")
+        stalled = engine.step_seconds
+        if stalled > settings.step_timeout:  # the step watchdog: a stopped rank or a wedged kernel
+            logger.warning("health: the engine step has run %.0f s (--step-timeout %g s)", stalled,
+                           settings.step_timeout)
+            return error_response(503, f"the engine has made no progress for {stalled:.0f} s (--step-timeout)")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -40,9 +40,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before aborting them")
     p.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0,
                    help="seconds a request's grammar (response_format, structured_outputs, tools) may compile "
-                        "before that request gets a 400")
+                        "before its worker is killed and that request gets a 400")
+    p.add_argument("--structured-outputs-compile-memory", default="2GiB",
+                   help="memory a request's grammar compile may add to its worker before it is killed (a 400)")
+    p.add_argument("--structured-outputs-compile-workers", type=int, default=2,
+                   help="processes that compile grammars (started as needed; each killable on its own)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="the models' tool-call syntax (default: read from the chat template, else hermes)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; more are closed at once (default: the open-file limit, "
+                        "raised to its maximum, less 256)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers before it is closed")
+    p.add_argument("--step-timeout", type=float, default=60.0,
+                   help="seconds one engine step may run before /health answers 503 (a stopped tensor-parallel "
+                        "rank, a wedged kernel)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     dp = p.add_argument_group("data parallelism: replicas on this host behind vllm-router (docs/deployment.md)")
@@ -78,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
     from pagoda.engine.async_engine import AsyncEngine
     from pagoda.engine.engine import LLMEngine
     from pagoda.entrypoints.cli import engine_kwargs
+    from pagoda.entrypoints.server import connections
     from pagoda.entrypoints.server.app import ServerSettings, create_app
     from pagoda.entrypoints.server.metrics import ServerMetrics
     from pagoda.executor.multiproc import launched_by_torchrun, run_torchrun_worker
@@ -93,8 +106,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--max-request-body-bytes must be at least 1")
     if not 0 <= args.drain_timeout < float("inf"):
         raise ValueError("--drain-timeout must be a non-negative number of seconds")
-    if not 0 < args.structured_outputs_compile_timeout < float("inf"):
-        raise ValueError("--structured-outputs-compile-timeout must be a positive number of seconds")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise ValueError("--max-connections must be at least 1")
+    if not 0 < args.step_timeout < float("inf"):
+        raise ValueError("--step-timeout must be a positive number of seconds")
+    if not 0 < args.header_timeout < float("inf"):
+        raise ValueError("--header-timeout must be a positive number of seconds")
+    if args.structured_outputs_compile_workers < 1:
+        raise ValueError("--structured-outputs-compile-workers must be at least 1: a server never compiles a "
+                         "client's grammar in its own process")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))  # bad flags fail before loading
     if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         run_torchrun_worker(config)  # torchrun started every rank with this command: this one serves rank 0
@@ -117,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
         model_root=args.model or DEFAULT_MODEL_NAME,
         max_request_body_bytes=args.max_request_body_bytes,
         tool_call_parser=args.tool_call_parser,
-        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        step_timeout=args.step_timeout,
     )
     async_engine = AsyncEngine(engine, metrics)
     app = create_app(async_engine, settings, metrics)
@@ -128,11 +148,15 @@ def main(args: argparse.Namespace) -> int:
             # waiting handlers answer 503 then, rather than uvicorn waiting drain_timeout for them first
             # and the engine waiting again after.
             async_engine.begin_shutdown(args.drain_timeout)
+            engine.structured.close()  # a compile under way is killed, its request answered 503
             super().handle_exit(sig, frame)
 
     # uvicorn's own limit is a backstop: by then the engine has ended every request.
+    max_connections = args.max_connections or connections.default_max_connections()
+    connections.rate_limit_logs()
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.access_log,
+                               http=connections.guarded_protocol(max_connections, args.header_timeout),
                                timeout_graceful_shutdown=math.ceil(args.drain_timeout) + 2)
     server = Server(uv_config)
     # uvicorn catches SIGINT/SIGTERM, shuts down gracefully (stop accepting, wait for in-flight requests,

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from pagoda.entrypoints.server.errors import APIError, bad_request, error_body
 from pagoda.entrypoints.server.settings import ServerSettings
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured.compile_workers import CompileCancelled
 
 # The sampling fields a rendered prompt carries (all plain values).
 RENDERED_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -123,6 +125,14 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
             t.cancel()  # cancelling a pump closes its stream, which aborts the request
 
 
+def fair_share_client(body: P._SamplingFields, request: Request) -> str:
+    """Whose share of the engine's seats a request takes: its `user` (OpenAI's end-user id), else the peer
+    address. Requests of one client share one share however many connections they open."""
+    if body.user:
+        return f"user:{body.user}"
+    return f"peer:{request.client.host if request.client is not None else '-'}"
+
+
 async def _until_disconnected(request: Request) -> None:
     """Return when the client goes away. If the channel itself fails, wait forever rather than abort."""
     try:
@@ -158,6 +168,7 @@ class Serving:
         self.core = engine.engine
         self.tokenizer = self.core.tokenizer
         self.names = settings.served_model_names
+        self._compile_waiters: dict[Future, int] = {}  # requests awaiting each grammar compile
 
     def retry_later(self, message: str) -> APIError:
         """A 503 that tells the client when to try again (shutting down, a full queue, a dead engine)."""
@@ -191,43 +202,52 @@ class Serving:
             raise APIError(400, f"{param}: not valid Unicode text ({e})", param) from e
 
     async def compile_constraint(self, params: SamplingParams, request: Request) -> None:
-        """A grammar compiles on the grammar pool's threads (cached by its text), awaited here without holding
-        any other thread: a bad one is this request's 400, and the engine then finds it ready, so the step loop
-        never waits on a compiler. A compile past --structured-outputs-compile-timeout is a 400 naming it; one
-        whose client left is dropped if it has not started (a started one runs on, and its grammar is cached)."""
-        future = self.core.start_compile(params) if params.structured_outputs is not None else None
-        if future is None:
+        """A grammar compiles in the engine's compile workers (cached by its text), awaited here without holding
+        any thread: a bad one, or one past its time or memory budget, is this request's 400, and the engine
+        then finds it ready, so the step loop never waits on a compiler. When the last client waiting for a
+        compile leaves, the compile is cancelled (its worker process killed)."""
+        if params.structured_outputs is None:
             return
-        compiled = asyncio.wrap_future(future)  # cancelling it cancels a compile that has not started
+        future = self.core.start_compile(params)
+        assert future is not None
+        waiters = self._compile_waiters
+        waiters[future] = waiters.get(future, 0) + 1
         gone = asyncio.create_task(_until_disconnected(request))
-        limit = self.settings.structured_outputs_compile_timeout
+        left = True  # also where this handler itself is cancelled
+        wrapped = asyncio.wrap_future(future)
+        wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())  # read below, from `future`
         try:
-            done, _ = await asyncio.wait({compiled, gone}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({wrapped, gone}, return_when=asyncio.FIRST_COMPLETED)
+            left = not future.done()
         finally:
             gone.cancel()
-        if compiled not in done:
-            compiled.cancel()
-            if gone in done:
-                raise APIError(499, "client closed the request", "response_format")
-            raise APIError(400, f"response_format: the constraint did not compile within {limit:g} s "
-                                "(--structured-outputs-compile-timeout)", "response_format")
+            waiters[future] -= 1
+            if not waiters[future]:
+                del waiters[future]
+                if left:  # nobody else waits for it (the loop's thread: no race with a new waiter)
+                    future.cancel()
+        if left:
+            raise APIError(499, "client closed the request", "response_format")
         try:
-            compiled.result()
+            future.result()
         except ValueError as e:
             raise APIError(400, str(e), "response_format") from e
+        except (CompileCancelled, CancelledError) as e:  # the server is stopping
+            raise self.retry_later(str(e) or "the grammar compile was cancelled") from e
 
     def tokenize_all(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self.core.tokenize(p) if isinstance(p, str) else p for p in prompts]
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                     cache_salt: str | None = None, request: Request | None = None) -> list[tuple[str, asyncio.Queue]]:
+                     body: P._SamplingFields, request: Request) -> list[tuple[str, asyncio.Queue]]:
         """Queue every prompt in one hand-off to the engine, or none: a bad one raises a 400. A client that
         leaves meanwhile (`request`) has them all aborted."""
         ids = [(prompt, base_id if len(prompts) == 1 else f"{base_id}-{i}") for i, prompt in enumerate(prompts)]
-        adding = asyncio.create_task(self.engine.add_requests(ids, params, cache_salt))
-        gone = asyncio.create_task(_until_disconnected(request)) if request is not None else None
+        adding = asyncio.create_task(self.engine.add_requests(ids, params, body.cache_salt,
+                                                              fair_share_client(body, request)))
+        gone = asyncio.create_task(_until_disconnected(request))
         try:
-            done, _ = await asyncio.wait({adding} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({adding, gone}, return_when=asyncio.FIRST_COMPLETED)
             if adding not in done:
                 adding.cancel()  # aborts every one of them
                 raise APIError(499, "client disconnected")
@@ -239,8 +259,7 @@ class Serving:
         finally:
             if not adding.done():  # this handler was cancelled: so are its adds
                 adding.cancel()
-            if gone is not None:
-                gone.cancel()
+            gone.cancel()
 
     async def collect(self, request: Request, queued: list[tuple[str, asyncio.Queue]]) -> list[RequestOutput]:
         """Final outputs of every request; a client that goes away, or a cancelled handler, aborts them all."""

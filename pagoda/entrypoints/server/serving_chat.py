@@ -57,7 +57,7 @@ class ChatServing:
         await s.compile_constraint(params, request)
         prompt_ids = await s.chat_prompt(conversation, req.add_generation_prompt, template_tools)
         base_id = P.random_id("chatcmpl")
-        queued = await s.submit([prompt_ids], params, base_id, req.cache_salt, request)
+        queued = await s.submit([prompt_ids], params, base_id, req, request)
         n = params.n
         top_n = req.top_logprobs or 0
         tokenizer = s.tokenizer

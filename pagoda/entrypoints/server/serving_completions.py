@@ -35,7 +35,7 @@ async def create_completion(s: Serving, req: P.CompletionRequest, request: Reque
     await s.compile_constraint(params, request)
     prompt_ids = await s.off_loop(s.tokenize_all, prompts)
     base_id = P.random_id("cmpl")
-    queued = await s.submit(prompt_ids, params, base_id, req.cache_salt, request)
+    queued = await s.submit(prompt_ids, params, base_id, req, request)
     n = params.n
     tokenizer = s.tokenizer
     prompt_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if req.echo else []

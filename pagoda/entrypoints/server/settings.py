@@ -17,4 +17,4 @@ class ServerSettings:
     retry_after_s: int = 1
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tool_call_parser: str | None = None  # None: the format the chat template writes
-    structured_outputs_compile_timeout: float = 30.0  # seconds a request's grammar may compile before a 400
+    step_timeout: float = 60.0  # seconds one engine step may run before /health answers 503

@@ -1,0 +1,108 @@
+"""Who holds the scheduler's seats, and the queue that hands the next free one to whoever holds fewest.
+
+A sequence belongs to a client (the server names it from the request's `user`, else the peer's address; a
+request without one is its own client) and to a request (its `n` samples are its sequences). Fairness
+compares clients first and, within one client, requests: the fewer seats a group holds, the sooner it is
+served. The rule that uses this lives in the scheduler; this file only counts and orders.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from pagoda.engine.request import Sequence
+
+
+def client_of(seq: Sequence) -> str:
+    req = seq.request
+    return req.client if req.client is not None else f"request:{req.request_id}"
+
+
+@dataclass
+class Seats:
+    """Seats held now, per client and per request (a running sequence holds one)."""
+    by_client: Counter[str] = field(default_factory=Counter)
+    by_request: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def of(cls, running: Iterable[Sequence]) -> "Seats":
+        seats = cls()
+        for seq in running:
+            seats.take(seq)
+        return seats
+
+    def take(self, seq: Sequence) -> None:
+        self.by_client[client_of(seq)] += 1
+        self.by_request[seq.request.request_id] += 1
+
+    def give(self, seq: Sequence) -> None:
+        self.by_client[client_of(seq)] -= 1
+        self.by_request[seq.request.request_id] -= 1
+
+    def owes(self, holder: Sequence, waiter: Sequence) -> bool:
+        """Whether `holder`'s group holds at least two seats more than `waiter`'s, at the first level where
+        they differ (client, then request): moving one seat across then narrows the gap and never reverses it."""
+        hc, wc = client_of(holder), client_of(waiter)
+        if hc != wc:
+            return self.by_client[hc] > self.by_client[wc] + 1
+        hr, wr = holder.request.request_id, waiter.request.request_id
+        return hr != wr and self.by_request[hr] > self.by_request[wr] + 1
+
+
+class WaitingQueue:
+    """Waiting sequences, per client and within a client per request, in arrival order. `fairest` is the head
+    of the request with the fewest seats of the client with the fewest seats (ties: the earlier); a preempted
+    sequence goes back to the head of its request's queue. Iteration is in (client, request, position) order."""
+
+    def __init__(self) -> None:
+        self._clients: OrderedDict[str, OrderedDict[str, deque[Sequence]]] = OrderedDict()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for requests in self._clients.values():
+            for seqs in requests.values():
+                yield from seqs
+
+    def __contains__(self, seq: object) -> bool:
+        if not isinstance(seq, Sequence):
+            return False
+        seqs = self._clients.get(client_of(seq), {}).get(seq.request.request_id)
+        return seqs is not None and seq in seqs
+
+    def append(self, seq: Sequence) -> None:
+        self._queue(seq).append(seq)
+        self._len += 1
+
+    def appendleft(self, seq: Sequence) -> None:
+        requests = self._clients.setdefault(client_of(seq), OrderedDict())
+        requests.setdefault(seq.request.request_id, deque()).appendleft(seq)
+        requests.move_to_end(seq.request.request_id, last=False)
+        self._len += 1
+
+    def remove(self, seq: Sequence) -> None:
+        client, rid = client_of(seq), seq.request.request_id
+        requests = self._clients[client]
+        requests[rid].remove(seq)
+        self._len -= 1
+        if not requests[rid]:
+            del requests[rid]
+            if not requests:
+                del self._clients[client]
+
+    def fairest(self, seats: Seats) -> Sequence | None:
+        if not self._clients:
+            return None
+        client = min(self._clients, key=lambda c: seats.by_client[c])  # min keeps the first of equals
+        requests = self._clients[client]
+        return requests[min(requests, key=lambda r: seats.by_request[r])][0]
+
+    def _queue(self, seq: Sequence) -> deque[Sequence]:
+        requests = self._clients.setdefault(client_of(seq), OrderedDict())
+        return requests.setdefault(seq.request.request_id, deque())
