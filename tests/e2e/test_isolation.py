@@ -337,7 +337,8 @@ def test_large_bodies_never_stall_streams_or_health(server: ServerProcess) -> No
 
 def test_sigterm_ends_in_flight_work_at_the_drain_timeout_with_errors() -> None:
     """Non-streaming and streaming requests that cannot finish within --drain-timeout get a JSON 503 and a
-    final SSE error event, and the server exits 0 within the timeout + 2 s."""
+    final SSE error event, a grammar still compiling is killed and its request gets a JSON 503 too, and the
+    server exits 0 within the timeout + 2 s."""
     drain = 3.0
     srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--drain-timeout", str(drain))
     try:
@@ -350,6 +351,11 @@ def test_sigterm_ends_in_flight_work_at_the_drain_timeout_with_errors() -> None:
         def plain() -> None:
             responses.append(httpx.post(f"{srv.url}/v1/completions", json=long, timeout=60))
 
+        def compiling() -> None:  # a regex xgrammar takes seconds to compile
+            regex = "(" + "|".join(f"w{i}x" for i in range(20000)) + ")"
+            responses.append(httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "Say", "max_tokens": 4, "structured_outputs": {"regex": regex}}))
+
         def stream() -> None:
             with httpx.stream("POST", f"{srv.url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
                 for line in r.iter_lines():
@@ -357,7 +363,8 @@ def test_sigterm_ends_in_flight_work_at_the_drain_timeout_with_errors() -> None:
                         stream_lines.append(line)
                         streaming.set()
 
-        threads = [threading.Thread(target=plain) for _ in range(2)] + [threading.Thread(target=stream)]
+        threads = [threading.Thread(target=plain) for _ in range(2)] + [threading.Thread(target=stream),
+                                                                         threading.Thread(target=compiling)]
         for t in threads:
             t.start()
         assert streaming.wait(60)
@@ -369,7 +376,7 @@ def test_sigterm_ends_in_flight_work_at_the_drain_timeout_with_errors() -> None:
         for t in threads:
             t.join(timeout=30)
         assert elapsed < drain + 2, f"exit took {elapsed:.1f} s"
-        assert len(responses) == 2
+        assert len(responses) == 3
         for r in responses:
             assert r.status_code == 503, r.text
             _assert_openai_error(r)
