@@ -191,6 +191,7 @@ class FakeEngine:
         self.params: list[Any] = []
         self.aborted: list[str] = []
         self.steps = 0
+        self.input_processor = self  # the chat loop renders conversations through it
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                       tools: list[dict] | None = None) -> list[int]:

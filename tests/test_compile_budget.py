@@ -35,10 +35,10 @@ class _Request:
 
 def _serving() -> tuple[Serving, _Core]:
     s = Serving.__new__(Serving)
-    s.core = _Core()
+    s.inputs = _Core()
     s.settings = ServerSettings(served_model_names=["m"])
     s._compile_waiters = {}
-    return s, s.core
+    return s, s.inputs
 
 
 PARAMS = SamplingParams(structured_outputs={"regex": "a+"})

@@ -155,4 +155,4 @@ def test_huge_prompt_is_refused_before_tokenization(engine: LLMEngine, monkeypat
     with pytest.raises(ValueError, match="too long"):
         engine.add_request("x" * (engine.max_model_len * engine.tokenizer.max_token_bytes * 2 + 1))
     with pytest.raises(ValueError, match="too long"):
-        engine.tokenize_chat([{"role": "user", "content": "y" * 10**8}])
+        engine.input_processor.tokenize_chat([{"role": "user", "content": "y" * 10**8}])

@@ -7,7 +7,7 @@ import itertools
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler
-from pagoda.engine.request import Request, Sequence
+from pagoda.core.request import Request, Sequence
 from pagoda.sampling_params import SamplingParams
 
 _ids = itertools.count()

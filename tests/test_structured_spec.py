@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.engine.request import Sequence
+from pagoda.core.request import Sequence
 from pagoda.spec_decode.speculator import _grammar_prefix
 from pagoda.structured.params import StructuredOutputsParams
 

@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
                        for i in range(len(prompts))]
         llm.generate(prompts[:2], constrained[:len(SCHEMAS)][:2], use_tqdm=False)  # warm-up: kernels, backend
         for p in constrained[:len(SCHEMAS)]:
-            llm.engine.compile_structured(p)  # the timed runs measure decoding, not first compiles
+            llm.engine.input_processor.compile_structured(p)  # the timed runs measure decoding, not first compiles
         stats = llm.engine.structured.stats
         steps0, seconds0 = stats.steps, stats.seconds
         t_con, outs = _run(llm, prompts, constrained, f"concurrency {concurrency}, constrained")
@@ -84,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
             manager = llm.engine.structured
             new = {**SCHEMAS[0], "title": f"fresh-{time.time_ns()}"}  # a schema text never compiled before
             t0 = time.perf_counter()
-            llm.engine.compile_structured(SamplingParams(structured_outputs={"json": new}))
+            llm.engine.input_processor.compile_structured(SamplingParams(structured_outputs={"json": new}))
             cold = time.perf_counter() - t0
             t0 = time.perf_counter()
             manager.compile(SamplingParams(structured_outputs={"json": new}).constraint).result()  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from pagoda.engine.request import Sequence
+from pagoda.core.request import Sequence
 
 
 def client_of(seq: Sequence) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pagoda.config import SchedulerConfig
 from pagoda.core.fairness import Seats, WaitingQueue, client_of
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.engine.request import SeqStatus, Sequence
+from pagoda.core.request import SeqStatus, Sequence
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.engine.engine import LLMEngine
+    from pagoda.engine.input_processor import InputProcessor, ProcessedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,9 @@ _FINISHED = object()  # sentinel queued after a request's final output
 # ---- the commands callers send the worker (applied between steps, in order) ------------------------------
 @dataclass
 class AddRequest:
-    """Queue a request; the worker resolves `accepted` (or fails it with add_request's error) and then
-    delivers the request's outputs to `stream`."""
-    prompt: str | list[int]
-    params: SamplingParams
+    """Queue a request the input processor has checked; the worker resolves `accepted` (or fails it with
+    add_processed's error) and then delivers the request's outputs to `stream`."""
+    processed: ProcessedRequest
     request_id: str
     stream: _Stream
     accepted: asyncio.Future
@@ -129,6 +129,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """Tokenizer, chat template, checks and grammar compiles: the front every route goes through."""
+        return self.engine.input_processor
 
     @property
     def step_seconds(self) -> float:
@@ -188,9 +193,11 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is dead: {self._dead}")
         if self._stopping:
             raise EngineDeadError("server is shutting down")
+        # Validation reads every token id: off the event loop, before anything is queued.
+        processed = await asyncio.to_thread(lambda: [self.input_processor.process(p, params) for p, _ in prompts])
         loop = asyncio.get_running_loop()
-        adds = [AddRequest(prompt, params, rid, _Stream(loop), loop.create_future(), cache_salt, client)
-                for prompt, rid in prompts]
+        adds = [AddRequest(proc, rid, _Stream(loop), loop.create_future(), cache_salt, client)
+                for proc, (_, rid) in zip(processed, prompts)]
         with self._cond:
             # Checked again under the lock: a worker dying after the check above must not strand these adds.
             if self._dead is not None or self._stopping:
@@ -301,8 +308,7 @@ class AsyncEngine:
         for cmd in commands:
             if isinstance(cmd, AddRequest):
                 try:
-                    req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cache_salt=cmd.cache_salt,
-                                                  client=cmd.client)
+                    req = self.engine.add_processed(cmd.processed, cmd.request_id, cmd.cache_salt, cmd.client)
                 except Exception as e:  # ValueError for bad input: the caller gets it
                     self._reject(cmd, e)
                     continue

@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,16 +16,17 @@ from pagoda.config import EngineConfig, resolve_dtype
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.distributed.errors import WorkerDiedError
-from pagoda.engine.emitted import Emitted
+from pagoda.core.emitted import Emitted
+from pagoda.engine.input_processor import InputProcessor, ProcessedRequest
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.request import Request, Sequence
+from pagoda.core.request import Request, Sequence
 from pagoda.engine.stats import EngineStats
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.multiproc import TensorParallelRunner
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import resolve_model_files
-from pagoda.model.tokenizer import iter_strings, load_tokenizer
+from pagoda.model.tokenizer import load_tokenizer
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
@@ -36,7 +36,6 @@ from pagoda.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_NORMALIZER_SLACK = 2
 class ConstraintError(Exception):
     """A request's grammar cannot go on: that request fails with a 400, the others run on."""
 
@@ -86,6 +85,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.args.vocab_size, config.structured,
                                                   max_model_len=self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.structured, self.args.vocab_size,
+                                              self.max_model_len, sched_cfg.max_num_seqs)
         self._awaiting_grammar: list[Request] = []  # structured requests whose grammar still compiles
         self._step_seqs: list[Sequence] | None = None  # the running step's sequences, failed together if need be
         self.requests: dict[str, Request] = {}
@@ -105,29 +106,15 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
                     client: str | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError for anything that can never run. `client` names
-        whose fair share of the seats it takes (the scheduler's rule); None makes it its own."""
-        params = params or SamplingParams()
-        params.validate()
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            ids = self.tokenize(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.args.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        self._check_limits(params)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, but the model's context (max_model_len) is "
-                             f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens")
-        room = self.max_model_len - len(ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise ValueError(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                             f"max_model_len {self.max_model_len}")
+        """Validate (the input processor) and queue a request. Raises ValueError for anything that can never run."""
+        return self.add_processed(self.input_processor.process(prompt, params), request_id, cache_salt, client)
+
+    def add_processed(self, processed: ProcessedRequest, request_id: str | None = None,
+                      cache_salt: str | None = None, client: str | None = None) -> Request:
+        """Queue a request the input processor has checked. Raises ValueError where this engine's KV pool can
+        never hold it or its id is in use. `client` names whose fair share of the seats it takes (the
+        scheduler's rule); None makes it its own."""
+        ids, params, max_tokens = processed.prompt_token_ids, processed.params, processed.max_tokens
         need = self.kv.max_blocks_held(len(ids) + max_tokens, self.config.scheduler.max_num_batched_tokens)
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"prompt ({len(ids)}) plus max_tokens ({max_tokens}) needs {need} KV blocks but the "
@@ -135,39 +122,28 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._req_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, text, ids, params, max_tokens, cache_salt=cache_salt, client=client,
+        req = Request(rid, processed.prompt, ids, params, max_tokens, cache_salt=cache_salt, client=client,
                       stop_ids=self.outputs.stop_ids(params))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))
-        if params.constraint is not None:
-            req.grammar = self.structured.compile(params.constraint)
-            if req.grammar.done() and req.grammar.exception() is not None:
-                raise ValueError(str(req.grammar.exception()))
+        if processed.grammar is not None:
+            req.grammar = processed.grammar
             self._awaiting_grammar.append(req)  # scheduled once its grammar is ready (_admit_grammars)
         else:
             self.scheduler.add(req.seqs[0])
         self.requests[rid] = req
         return req
 
-    def compile_structured(self, params: SamplingParams) -> None:
-        """Compile the request's grammar now (blocking, thread-safe): a constraint that cannot compile
-        raises ValueError here, so a caller can refuse it before queueing. The result is cached."""
-        future = self.start_compile(params)
-        if future is not None:
-            future.result()
-
-    def start_compile(self, params: SamplingParams) -> Future | None:
-        """The request's grammar compiling on the grammar pool (None without a constraint): a server awaits
-        it without holding a thread. Its ValueError is the constraint's fault."""
-        return None if params.constraint is None else self.structured.compile(params.constraint)
-
     def _admit_grammars(self) -> list[Request]:
         """Schedule the structured requests whose grammar is ready; return those whose grammar failed."""
         failed = []
         for req in [r for r in self._awaiting_grammar if r.grammar is not None and r.grammar.done()]:
             self._awaiting_grammar.remove(req)
-            error = req.grammar.exception()  # type: ignore[union-attr]
+            grammar = req.grammar
+            assert grammar is not None
+            error = "structured_outputs: the grammar compile was cancelled" if grammar.cancelled() \
+                else grammar.exception()
             if error is not None:
                 self._fail_request(req, str(error), 400)  # the client's own constraint: theirs to see
                 failed.append(req)
@@ -217,41 +193,6 @@ class LLMEngine:
             self.structured.stats.jump_forward_tokens += 1
             if seq.finish_reason is not None:
                 break
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """A prompt's token ids. Thread-safe. A text too long to fit max_model_len whatever its tokens
-        are is refused before it is tokenized, so a huge prompt costs a length check, not seconds."""
-        self._check_length(len(prompt))
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-
-    def tokenize_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """A conversation's token ids through the chat template (message text never makes control tokens);
-        `tools` go to templates that render them."""
-        self._check_length(sum(len(t) for t in iter_strings([messages, tools])))
-        return self.tokenizer.encode_chat(messages, add_generation_prompt, tools)
-
-    def _check_length(self, num_chars: int) -> None:
-        # No token is longer than max_token_bytes; the slack covers normalizers that shrink text (NFKC).
-        limit = (self.max_model_len - 1) * self.tokenizer.max_token_bytes * _NORMALIZER_SLACK
-        if num_chars > limit:
-            raise ValueError(f"prompt is too long: {num_chars} characters cannot fit the model's context "
-                             f"(max_model_len {self.max_model_len} tokens)")
-
-    def _check_limits(self, params: SamplingParams) -> None:
-        """The parts of a request's validity that depend on this model and engine."""
-        vocab, max_seqs = self.args.vocab_size, self.config.scheduler.max_num_seqs
-        if params.n > max_seqs:
-            # The n samples run side by side, forked from one prompt: they must fit one step.
-            raise ValueError(f"n must be at most max_num_seqs ({max_seqs}), got {params.n}")
-        if any(t >= vocab for t in params.stop_token_ids or []):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size ({vocab}), got {value}")
 
     def _new_sequence(self, req: Request, token_ids: list[int]) -> Sequence:
         index = len(req.seqs)

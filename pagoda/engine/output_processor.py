@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagoda.engine.request import Request, Sequence
+from pagoda.core.request import Request, Sequence
 from pagoda.layers.sampler import SamplerOutput
 from pagoda.model.tokenizer import Tokenizer
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput

@@ -252,7 +252,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": user})
         t0 = time.perf_counter()
         try:
-            ids = engine.tokenize_chat(messages)
+            ids = engine.input_processor.tokenize_chat(messages)
             reply = stream_reply(engine, ids, params)
         except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
             print(f"error: {e}", file=sys.stderr)

@@ -43,7 +43,7 @@ class LLM:
         if len(params) != len(prompt_list):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         for p in {id(p): p for p in params}.values():  # a constraint that cannot compile is a ValueError
-            self.engine.compile_structured(p)
+            self.engine.input_processor.compile_structured(p)
         ids = []
         try:
             for prompt, p in zip(prompt_list, params):
@@ -71,7 +71,7 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenize_chat(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
+        prompts = [self.engine.input_processor.tokenize_chat(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

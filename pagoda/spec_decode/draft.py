@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.engine.request import Sequence
+from pagoda.core.request import Sequence
 from pagoda.executor.model_runner import ModelRunner
 
 

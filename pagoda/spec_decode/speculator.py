@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Sequence
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
-from pagoda.engine.emitted import Emitted
-from pagoda.engine.request import Sequence
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.sampler import SamplerOutput, SamplingBatch, sampler_output
 from pagoda.model.tokenizer import Tokenizer

@@ -368,12 +368,37 @@ class FakeTokenizer:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+class FakeInputProcessor:
+    vocab_size = 256
+
+    def __init__(self, tokenizer: FakeTokenizer, max_model_len: int) -> None:
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+
+    def process(self, prompt: Any, params: Any) -> Any:
+        params.validate()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        return SimpleNamespace(prompt_token_ids=ids, params=params)
+
+    def start_compile(self, params: Any) -> None:
+        return None
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens)
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt))
+
+
 class FakeEngine:
     """Emits 'a' once per step per request. `hold` keeps requests waiting; `fail_next` makes step() raise."""
     max_model_len = 64
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
+        self.input_processor = FakeInputProcessor(self.tokenizer, self.max_model_len)
         self.args = SimpleNamespace(vocab_size=256)
         self.scheduler = SimpleNamespace(waiting=deque())
         self.runner = SimpleNamespace(policy=KernelPolicy(cpp=False))
@@ -385,23 +410,13 @@ class FakeEngine:
         return EngineStats(num_running=len(self.requests) - len(self.scheduler.waiting),
                            num_waiting=len(self.scheduler.waiting), num_free_blocks=100)
 
-    def add_request(self, prompt: Any, params: Any, request_id: str, cache_salt: str | None = None,
-                    client: str | None = None) -> Any:
-        params.validate()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        self.requests[request_id] = {"ids": ids, "out": [], "max": params.max_tokens or 4,
+    def add_processed(self, processed: Any, request_id: str, cache_salt: str | None = None,
+                      client: str | None = None) -> Any:
+        ids = processed.prompt_token_ids
+        self.requests[request_id] = {"ids": ids, "out": [], "max": processed.params.max_tokens or 4,
                                      "metrics": RequestMetrics(arrival_time=time.time())}
         self.scheduler.waiting.append(request_id)
         return SimpleNamespace(prompt_token_ids=ids)
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens)
-
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt))
 
     def reset_prefix_cache(self) -> None:
         pass

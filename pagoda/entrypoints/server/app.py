@@ -59,7 +59,8 @@ def server_info(core: Any, settings: ServerSettings) -> dict[str, Any]:
 def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
     s = Serving(engine, settings)
     chat = ChatServing(s, settings.tool_call_parser)
-    core, tokenizer, names = s.core, s.tokenizer, s.names
+    inputs, tokenizer, names = s.inputs, s.tokenizer, s.names
+    core = engine.engine  # for what the engine reports about itself (/version, /server_info)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -126,7 +127,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     @v1.get("/models")
     async def models() -> P.ModelList:
         return P.ModelList(data=[P.ModelCard(id=name, root=settings.model_root or name,
-                                             max_model_len=core.max_model_len) for name in names])
+                                             max_model_len=inputs.max_model_len) for name in names])
 
     app.include_router(v1)
 
@@ -158,15 +159,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                 raise bad_request(e) from e
             ids = await s.chat_prompt(conv, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = await s.off_loop(core.tokenize, req.prompt, req.add_special_tokens)
+            ids = await s.off_loop(inputs.tokenize, req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
-        return P.TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=list(ids))
+        return P.TokenizeResponse(count=len(ids), max_model_len=inputs.max_model_len, tokens=list(ids))
 
     @app.post("/detokenize")
     async def detokenize(req: P.DetokenizeRequest) -> P.DetokenizeResponse:
         s.check_model(req.model)
-        vocab = core.args.vocab_size
+        vocab = inputs.vocab_size
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens must be in [0, {vocab})", "tokens")
         return P.DetokenizeResponse(prompt=await s.off_loop(tokenizer.decode, req.tokens, param="tokens"))

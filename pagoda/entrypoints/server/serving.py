@@ -165,8 +165,8 @@ class Serving:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.core = engine.engine
-        self.tokenizer = self.core.tokenizer
+        self.inputs = engine.input_processor
+        self.tokenizer = self.inputs.tokenizer
         self.names = settings.served_model_names
         self._compile_waiters: dict[Future, int] = {}  # requests awaiting each grammar compile
 
@@ -208,7 +208,7 @@ class Serving:
         compile leaves, the compile is cancelled (its worker process killed)."""
         if params.structured_outputs is None:
             return
-        future = self.core.start_compile(params)
+        future = self.inputs.start_compile(params)
         assert future is not None
         waiters = self._compile_waiters
         waiters[future] = waiters.get(future, 0) + 1
@@ -236,7 +236,7 @@ class Serving:
             raise self.retry_later(str(e) or "the grammar compile was cancelled") from e
 
     def tokenize_all(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return [self.core.tokenize(p) if isinstance(p, str) else p for p in prompts]
+        return [self.inputs.tokenize(p) if isinstance(p, str) else p for p in prompts]
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
                      body: P._SamplingFields, request: Request) -> list[tuple[str, asyncio.Queue]]:
@@ -367,7 +367,7 @@ class Serving:
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
         def render() -> list[int]:
             try:
-                return self.core.tokenize_chat(messages, add_generation_prompt, tools)
+                return self.inputs.tokenize_chat(messages, add_generation_prompt, tools)
             except (ValueError, UnicodeError):
                 raise
             except Exception as e:  # a template that rejects the conversation (roles out of order, ...)

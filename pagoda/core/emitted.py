@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagoda.engine.request import Sequence
+from pagoda.core.request import Sequence
 from pagoda.layers.sampler import SamplerOutput
 
 
