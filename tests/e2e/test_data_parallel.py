@@ -1,18 +1,22 @@
 """Data parallelism: Pagoda replicas behind vllm-router (docs/deployment.md), driven by the official openai client.
 
 Two real replicas (one torch thread each) and a real vllm-router on loopback are shared by the module; the test
-that kills a replica runs last. `pagoda serve --data-parallel-size 2` is started on its own."""
+that kills a replica runs last. `pagoda serve --data-parallel-size 2 --api-key` (its front, keyed router and
+replicas) is shared by the launcher tests, the last of which stops it."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda.bench.datasets import load_corpus
 from pagoda.bench.serve import server_counters
 from pagoda.entrypoints.cli import main as cli_main
-from pagoda.entrypoints.server import data_parallel
+from pagoda.entrypoints.server import data_parallel, front
 from tests.e2e.conftest import ServerProcess, free_port, wait_healthy
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -252,29 +256,188 @@ def _all_gone(pids: list[int], timeout: float) -> bool:
     return False
 
 
-@needs_router
-def test_serve_data_parallel_size_2_serves_through_the_router_and_stops_everything() -> None:
-    srv = ServerProcess("--data-parallel-size", "2", "--data-parallel-base-port", "0", *REPLICA_ARGS)
+API_KEY = "dp-user-key"
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def launcher() -> Iterator[ServerProcess]:
+    """`pagoda serve --data-parallel-size 2` with a key; round_robin, so that each replica's share is known."""
+    if ROUTER is None:
+        pytest.skip("vllm-router is not installed (pip install vllm-router)")
+    srv = ServerProcess("--data-parallel-size", "2", "--data-parallel-base-port", "0", "--api-key", API_KEY,
+                        "--router-policy", "round_robin", *REPLICA_ARGS)
     try:
-        srv.wait_ready()  # the router's /health: every replica healthy
-        kids = _children(srv.proc)
-        replicas = [p for p in kids if "pagoda.entrypoints.cli" in " ".join(p.cmdline())]
-        assert len(replicas) == 2 and len(kids) == 3, [p.cmdline() for p in kids]
-        cores = [set(p.cpu_affinity()) for p in replicas]
-        assert not cores[0] & cores[1] and len(cores[0] | cores[1]) == min(2, len(data_parallel.usable_cores()))
-        assert [p.environ()["OMP_NUM_THREADS"] for p in replicas] == [str(len(c)) for c in cores]
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=4, temperature=0)
-        assert chat.choices[0].message.content
-        stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4, stream=True)
-        assert "".join(c.choices[0].text for c in stream if c.choices)
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(60) == 0, srv.log_tail()
-        assert _all_gone([p.pid for p in kids], 10), "children left behind"
+        srv.wait_ready()  # the front's /health: the router has a replica to send requests to
+        yield srv
     finally:
         srv.stop()
         os.unlink(srv.log.name)
+
+
+def _launched(srv: ServerProcess) -> list[psutil.Process]:
+    """The launcher's own children (the replicas' compile workers are theirs), the ones it has reaped."""
+    return [p for p in psutil.Process(srv.proc.pid).children() if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _flag(p: psutil.Process, flag: str) -> str:
+    cmd = p.cmdline()
+    return cmd[cmd.index(flag) + 1]
+
+
+def _replica_procs(srv: ServerProcess) -> list[psutil.Process]:
+    """The launcher's replicas, in rank order (their ports are in the order of their ranks' cores)."""
+    found = [p for p in _launched(srv) if "pagoda.entrypoints.cli" in " ".join(p.cmdline())]
+    return sorted(found, key=lambda p: min(p.cpu_affinity()))
+
+
+def _front_proc(srv: ServerProcess) -> psutil.Process:
+    (p,) = [p for p in _launched(srv) if "pagoda.entrypoints.server.front" in " ".join(p.cmdline())]
+    return p
+
+
+def _url_counters(urls: list[str]) -> list[dict[str, float]]:
+    return [server_counters(httpx.get(f"{u}/metrics", timeout=10).text) for u in urls]
+
+
+@needs_router
+def test_the_routers_admin_routes_are_refused_and_the_users_key_stays_in_the_front(launcher: ServerProcess) -> None:
+    replica_urls = [f"http://127.0.0.1:{_flag(p, '--port')}" for p in _replica_procs(launcher)]
+    victim = urllib.parse.quote(replica_urls[0], safe="")
+    attempts = [("POST", "/add_worker?url=http://127.0.0.1:9"), ("POST", f"/remove_worker?url={victim}"),
+                ("GET", "/list_workers"), ("GET", "/get_loads"), ("GET", "/workers"), ("POST", "/workers"),
+                ("DELETE", f"/workers/{victim}"), ("POST", "//add_worker/?url=http://127.0.0.1:9"),
+                ("POST", "/add%5Fworker?url=http://127.0.0.1:9")]
+    for method, path in attempts:
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401), (KEYED, 403)):
+            r = httpx.request(method, launcher.url + path, headers=headers, timeout=10)
+            assert (r.status_code, r.json()["error"]["code"]) == (status, status), (method, path, headers, r.text)
+    # Both replicas are still in the rotation: round_robin gives each one of two requests.
+    before = _url_counters(replica_urls)
+    client = openai.OpenAI(base_url=f"{launcher.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    for _ in range(2):
+        assert ask(client, "The capital of France is").choices[0].finish_reason == "length"
+    assert deltas(before, _url_counters(replica_urls), "requests") == [1, 1]
+    # Behind the front nothing takes the user's key: the router on loopback refuses its admin routes to it and
+    # to no key at all, and the replicas answer only the worker secret.
+    router_url = _flag(_front_proc(launcher), "--router")
+    for headers in ({}, KEYED):
+        assert httpx.post(f"{router_url}/add_worker?url=http://127.0.0.1:9", headers=headers).status_code == 401
+        assert httpx.get(f"{router_url}/list_workers", headers=headers).status_code == 401
+        for url in replica_urls:
+            assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+    # The key is on no child's command line, and in no environment but the front's.
+    kids = _launched(launcher)
+    assert len(kids) == 4, [p.cmdline() for p in kids]  # two replicas, the router, the front
+    assert not any(API_KEY in " ".join(p.cmdline()) for p in kids)
+    assert [p.pid for p in kids if p.environ().get("PAGODA_API_KEY") == API_KEY] == [_front_proc(launcher).pid]
+    secret = _replica_procs(launcher)[0].environ()["PAGODA_API_KEY"]
+    workers = httpx.get(f"{router_url}/list_workers", headers={"Authorization": f"Bearer {secret}"}).json()
+    assert sorted(workers["urls"]) == sorted(replica_urls)  # nobody added or removed one
+
+
+@needs_router
+def test_tokenize_detokenize_and_flush_cache_answer_through_the_front(launcher: ServerProcess) -> None:
+    prompt = "The capital of France is"
+    tokens = httpx.post(f"{launcher.url}/tokenize", json={"prompt": prompt}, headers=KEYED, timeout=30)
+    assert tokens.status_code == 200, tokens.text
+    ids = tokens.json()["tokens"]
+    text = httpx.post(f"{launcher.url}/detokenize", json={"tokens": ids}, headers=KEYED, timeout=30)
+    assert (text.status_code, text.json()["prompt"]) == (200, prompt)
+    for route in ("/tokenize", "/detokenize", "/flush_cache"):
+        assert httpx.post(f"{launcher.url}{route}", json={"prompt": prompt}).status_code == 401
+    # /flush_cache and /reset_prefix_cache empty every replica's prefix cache, not one.
+    replica_urls = [f"http://127.0.0.1:{_flag(p, '--port')}" for p in _replica_procs(launcher)]
+    client = openai.OpenAI(base_url=f"{launcher.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    shared = prefixes(1, 60, offset=30)[0]
+    for route in ("/flush_cache", "/reset_prefix_cache"):
+        for _ in range(2):  # round_robin: once on each replica, which caches the prefix
+            ask(client, shared + "Summary:")
+        flushed = httpx.post(f"{launcher.url}{route}", headers=KEYED, timeout=30)
+        assert flushed.status_code == 200, flushed.text
+        before = _url_counters(replica_urls)
+        for _ in range(2):
+            ask(client, shared + "Summary:")
+        assert deltas(before, _url_counters(replica_urls), "prefix_cache_hits") == [0, 0], route
+
+
+def _aborted(urls: list[str]) -> float:
+    """Requests the replicas finished as aborted."""
+    return sum(s.value for u in urls for f in text_string_to_metric_families(httpx.get(f"{u}/metrics").text)
+               for s in f.samples
+               if s.name == "pagoda:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+
+@needs_router
+def test_a_client_that_leaves_the_front_stops_its_request_on_the_replica(launcher: ServerProcess) -> None:
+    urls = [f"http://127.0.0.1:{_flag(p, '--port')}" for p in _replica_procs(launcher)]
+    # Long enough (about 500 tokens) that only an abort ends it within the deadline below.
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True}
+
+    def settled(before: float) -> None:
+        deadline = time.monotonic() + 5
+        while sum(samples(u)["pagoda:num_requests_running"] for u in urls) or _aborted(urls) == before:
+            assert time.monotonic() < deadline, "the replica went on generating for a client that left"
+            time.sleep(0.1)
+
+    before = _aborted(urls)
+    with httpx.stream("POST", f"{launcher.url}/v1/completions", json={**body, "stream": True}, headers=KEYED,
+                      timeout=60) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    settled(before)
+    before = _aborted(urls)
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming request: the client leaves before any answer
+        httpx.post(f"{launcher.url}/v1/completions", json=body, headers=KEYED, timeout=1.5)
+    settled(before)
+
+
+@needs_router
+def test_a_killed_replica_is_restarted_and_its_cut_stream_ends_with_an_error_event(launcher: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{launcher.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    procs = _replica_procs(launcher)
+    urls = [f"http://127.0.0.1:{_flag(p, '--port')}" for p in procs]
+    stream = iter(client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=400,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    for _ in range(2):
+        next(stream)
+    running = [samples(u)["pagoda:num_requests_running"] for u in urls]
+    victim = running.index(1.0)
+    cores = procs[victim].cpu_affinity()
+    procs[victim].kill()
+    with pytest.raises(openai.APIError, match="replica serving this request stopped"):
+        for _ in stream:
+            pass
+    # The other replica serves meanwhile.
+    assert ask(client, "Hello").choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 120
+    while f"replica {victim} is healthy again and back in the router" not in launcher.log_tail(20000):
+        assert time.monotonic() < deadline, launcher.log_tail()
+        time.sleep(0.2)
+    (again,) = [p for p in _replica_procs(launcher) if _flag(p, "--port") == urls[victim].rsplit(":", 1)[1]]
+    assert again.pid != procs[victim].pid and again.cpu_affinity() == cores
+    before = _url_counters(urls)
+    for _ in range(2):
+        assert ask(client, "Hello").choices[0].finish_reason == "length"
+    assert deltas(before, _url_counters(urls), "requests") == [1, 1]
+
+
+@needs_router
+def test_serve_data_parallel_size_2_serves_through_the_front_and_stops_everything(launcher: ServerProcess) -> None:
+    kids = _children(launcher.proc)
+    replicas = _replica_procs(launcher)
+    assert len(replicas) == 2 and len(_launched(launcher)) == 4, [p.cmdline() for p in kids]
+    cores = [set(p.cpu_affinity()) for p in replicas]
+    assert not cores[0] & cores[1] and len(cores[0] | cores[1]) == min(2, len(data_parallel.usable_cores()))
+    assert [p.environ()["OMP_NUM_THREADS"] for p in replicas] == [str(len(c)) for c in cores]
+    client = openai.OpenAI(base_url=f"{launcher.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content
+    stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices)
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(60) == 0, launcher.log_tail()
+    assert _all_gone([p.pid for p in kids], 10), "children left behind"
 
 
 @needs_router
@@ -301,7 +464,7 @@ def test_data_parallel_flags_are_checked_before_anything_starts(capsys: pytest.C
     assert cli_main(["serve", "--data-parallel-size", str(ncores + 1)]) == 2
     assert f"may use {ncores}" in capsys.readouterr().err
     if ncores >= 2:  # without the router installed: the error says how to install it
-        monkeypatch.setattr(data_parallel.shutil, "which", lambda *a, **k: None)
+        monkeypatch.setitem(sys.modules, "vllm_router", None)  # what find_spec reads as not installed
         assert cli_main(["serve", "--data-parallel-size", "2"]) == 2
         assert "pip install vllm-router" in capsys.readouterr().err
 
@@ -312,15 +475,87 @@ def test_replicas_get_every_serve_flag_but_the_launchers() -> None:
     argv = ["serve", "model.gguf", "--data-parallel-size", "2", "--port", "9000", "--router-policy", "round_robin",
             "--max-num-seqs", "8", "--no-enable-prefix-caching", "--served-model-name", "a", "b", "-q", "int8",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--access-log",
-            "--drain-timeout", "5"]
+            "--drain-timeout", "5", "--api-key", "user-key"]
     args = build_parser().parse_args(argv)
     forwarded = data_parallel.forwarded_args(args)
     assert "--port" not in forwarded and "--data-parallel-size" not in forwarded and "--router-policy" not in forwarded
+    assert "--api-key" not in forwarded and "user-key" not in forwarded  # the replicas get the worker secret
     again = build_parser().parse_args(["serve", *forwarded])
     for key in ("model", "max_num_seqs", "enable_prefix_caching", "served_model_name", "quantization",
                 "speculative_config", "access_log", "drain_timeout"):
         assert getattr(again, key) == getattr(args, key), key
     assert again.data_parallel_size == 1 and again.port == 8000
+
+
+def test_a_replica_is_restarted_at_most_five_times_in_ten_minutes() -> None:
+    policy = data_parallel.RestartPolicy()
+    restarts = [0.0, 60.0, 120.0, 180.0]
+    assert policy.allows(restarts, 240.0)
+    assert not policy.allows(restarts + [240.0], 300.0)
+    assert policy.allows(restarts + [240.0], 601.0)  # the first restart has left the window
+
+
+def test_a_replica_that_keeps_dying_is_restarted_then_left_down(capsys: pytest.CaptureFixture) -> None:
+    def child(name: str, code: str) -> data_parallel.Child:
+        return data_parallel.Child(name, [sys.executable, "-c", code], "http://127.0.0.1:9")
+
+    dying = child("replica 0", "raise SystemExit(3)")
+    router, front_ = child("router", "import time; time.sleep(60)"), child("front", "import time; time.sleep(60)")
+    server = data_parallel.DataParallelServer([dying], router, front_, "secret", drain_timeout=1.0,
+                                              restart=data_parallel.RestartPolicy(max_restarts=2, window_s=600.0))
+    try:
+        for c in (router, front_, dying):
+            server._start(c, signal.SIGKILL)
+        assert server._watch() == 1  # no replica left
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert err.count("restarting replica 0") == 2 and "replica 0 exited 3 times within 600 s; it stays down" in err
+    assert dying.proc is None and len(dying.restarts) == 2
+
+
+class _CutStream(httpx.AsyncByteStream):
+    """A replica's event stream that stops halfway through its second event: the process died."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"text": "Once"}]}\n\n'
+        yield b'data: {"choices": [{"te'
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+def test_the_front_checks_the_key_swaps_it_for_the_secret_and_ends_a_cut_stream_with_an_error_event() -> None:
+    seen: list[httpx.Request] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/flush_cache" and request.url.port == 2:
+            raise httpx.ConnectError("refused")  # a replica that is down has nothing cached
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_CutStream())
+        return httpx.Response(200)
+
+    config = front.FrontConfig("http://127.0.0.1:9", ("http://127.0.0.1:1", "http://127.0.0.1:2"), "secret")
+    app = front.build_app(config, API_KEY, httpx.AsyncClient(transport=httpx.MockTransport(upstream)))
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as c:
+            return [await c.post("/v1/completions", json={"stream": True}),
+                    await c.post("/v1/completions", headers=KEYED, json={"stream": True}),
+                    await c.post("/add_worker?url=http://evil", headers=KEYED),
+                    await c.post("/flush_cache", headers=KEYED)]
+
+    no_key, cut, admin, flushed = asyncio.run(run())
+    # However a path spells an admin route, the front sees the route the router would get.
+    assert [front.route_of(p) for p in ("//add_worker/", "/v1/../add_worker", "/./workers/x/..")] == [
+        "/add_worker", "/add_worker", "/workers"]
+    assert no_key.status_code == 401 and admin.status_code == 403 and flushed.status_code == 200
+    events = [e for e in cut.text.split("\n\n") if e]
+    assert events[0] == 'data: {"choices": [{"text": "Once"}]}'  # the broken half event is dropped
+    assert json.loads(events[1].removeprefix("data: "))["error"]["code"] == 503
+    assert events[2:] == ["data: [DONE]"]
+    assert [(r.url.path, r.headers["authorization"]) for r in seen] == [
+        ("/v1/completions", "Bearer secret"), ("/flush_cache", "Bearer secret"), ("/flush_cache", "Bearer secret")]
+    assert sorted(r.url.port for r in seen[1:]) == [1, 2]
 
 
 def test_split_cores_is_disjoint_and_even() -> None:

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGODA_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but the probes (default: "
+                        "$PAGODA_API_KEY); with --data-parallel-size, the front checks it and no child sees it")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first one is reported (default: the model's base name; "
                         "the path is accepted too)")
@@ -59,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     dp = p.add_argument_group("data parallelism: replicas on this host behind vllm-router (docs/deployment.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                    help="engine replicas, each a server on its own cores and port, behind vllm-router on "
-                         "--host/--port")
+                    help="engine replicas, each a server on its own cores and loopback port, behind vllm-router "
+                         "(keyed, on loopback) and Pagoda's front on --host/--port")
     dp.add_argument("--data-parallel-base-port", type=int, default=None,
                     help="the replicas' ports on 127.0.0.1: BASE, BASE+1, ... (default: --port + 1; 0 = any free)")
     dp.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,

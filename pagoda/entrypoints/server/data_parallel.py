@@ -1,12 +1,19 @@
-"""`pagoda serve --data-parallel-size N`: N engine replicas on one host behind vllm-router.
+"""`pagoda serve --data-parallel-size N`: N engine replicas on one host behind vllm-router and Pagoda's front.
 
 Each replica is a plain `pagoda serve` child process on 127.0.0.1, bound to its own cores (sched_setaffinity)
-with as many torch threads as it has cores. vllm-router (PyPI `vllm-router`, a Rust binary) listens on
---host/--port and sends each request to one replica; its default policy here, cache_aware, sends requests
-that share a prefix to the replica that has it cached. This process only supervises: it starts the replicas,
-waits until every one answers /health, starts the router, logs a replica that dies (and takes it out of the
-router), and on SIGTERM/Ctrl-C stops them all: the replicas first (each drains its in-flight requests),
-then the router. The children die with it even when it is killed outright (PR_SET_PDEATHSIG).
+with as many torch threads as it has cores. vllm-router (PyPI `vllm-router`, a Rust binary) sends each request
+to one replica; its default policy here, cache_aware, sends requests that share a prefix to the replica that
+has it cached. Clients never reach the router or the replicas: Pagoda's front (front.py) listens on
+--host/--port, checks the user's API key and refuses the router's admin routes; the router listens on a free
+loopback port with every route keyed (keyed_router.py). All three inner pieces accept only a secret this
+process generates at start (the worker secret), handed over in their environment, so the user's key goes to
+none of them and a local user who finds their ports can neither send requests nor add a worker of their own.
+
+This process only supervises: it starts the replicas, waits until every one answers /health, starts the
+router, then the front; a replica that dies is taken out of the router, restarted on the same port and cores,
+and put back once healthy (at most RESTART_POLICY's restarts in its window, then it stays down); on
+SIGTERM/Ctrl-C it stops them all: the replicas first (each drains its in-flight requests), then the router
+and the front. The children die with it even when it is killed outright (PR_SET_PDEATHSIG).
 
 Across machines the same pieces are started by hand: one `pagoda serve` per machine and vllm-router on one
 of them (docs/deployment.md).
@@ -15,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
+import secrets
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +42,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from pagoda.entrypoints.server.keyed_router import WORKER_SECRET_ENV
+
 # vllm-router's policies that Pagoda's server serves everything for (docs/deployment.md has what each asks);
 # kv_aware needs vLLM's ZMQ KV-cache events, which Pagoda does not publish.
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "consistent_hash", "sticky_least_loaded")
@@ -43,9 +53,10 @@ ROUTER_INSTALL_HINT = "pip install vllm-router (or: pip install -e '.[router]')"
 # the first request after a crash still succeed on another worker. docs/deployment.md uses the same values.
 ROUTER_FAILOVER_ARGS = ("--cb-failure-threshold", "3", "--health-check-interval-secs", "10",
                         "--health-failure-threshold", "2")
-# Flags of `pagoda serve` that belong to this launcher, not to the replicas it starts.
+# Flags of `pagoda serve` that belong to this launcher, not to the replicas it starts. The user's --api-key
+# is the front's alone: the replicas accept only the worker secret.
 _LAUNCHER_DESTS = frozenset({"model", "model_flag", "host", "port", "data_parallel_size", "data_parallel_base_port",
-                             "router_policy", "router_args", "help"})
+                             "router_policy", "router_args", "api_key", "help"})
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2
 _ROUTER_STOP_S = 3.0
@@ -53,16 +64,33 @@ _ROUTER_STOP_S = 3.0
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How often a replica that dies is started again: at most `max_restarts` times within `window_s` seconds,
+    so a replica that cannot start (a bad flag, memory it cannot get) stops being retried."""
+    max_restarts: int = 5
+    window_s: float = 600.0
+
+    def allows(self, restarts: list[float], now: float) -> bool:
+        return sum(now - t < self.window_s for t in restarts) < self.max_restarts
+
+
+RESTART_POLICY = RestartPolicy()
+
+
 @dataclass
 class Child:
-    """A supervised process: a replica or the router."""
+    """A supervised process: a replica, the router or the front."""
     name: str
     cmd: list[str]
     url: str
     cores: list[int] | None = None
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # over this process's, without its PAGODA_API_KEY
+    token: str | None = None  # the bearer token its /health wants (the router's every route is keyed)
     proc: subprocess.Popen | None = None
-    reported: bool = False  # its exit was logged
+    serving: bool = False  # a replica in the router's rotation
+    restarts: list[float] = field(default_factory=list)  # time.monotonic() of each restart
+    retry_at: float = 0.0  # a replica not yet back in the router: when to try again
 
     @property
     def alive(self) -> bool:
@@ -105,13 +133,10 @@ def numa_node_of_core(root: Path = Path("/sys/devices/system/node")) -> dict[int
     return out
 
 
-def find_router() -> str:
-    """The vllm-router executable: on PATH, or next to this interpreter (a venv not activated)."""
-    found = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
-    if found is None:
-        raise ValueError(f"--data-parallel-size needs the vllm-router executable, which is not installed: "
-                         f"{ROUTER_INSTALL_HINT}")
-    return found
+def check_router_installed() -> None:
+    """vllm-router's package must be importable by this interpreter: the keyed router runs it here."""
+    if importlib.util.find_spec("vllm_router") is None:
+        raise ValueError(f"--data-parallel-size needs vllm-router, which is not installed: {ROUTER_INSTALL_HINT}")
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -200,21 +225,34 @@ def _child_setup(cores: list[int] | None, parent_pid: int, death_signal: int) ->
     return setup
 
 
-def _healthy(url: str, timeout: float = 2.0) -> bool:
+def _health(url: str, token: str | None = None, timeout: float = 2.0) -> int | None:
+    """The HTTP status of GET /health, None when nothing answers."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
-            return 200 <= r.status < 300
+        with urllib.request.urlopen(urllib.request.Request(url + "/health", headers=headers), timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
     except (OSError, urllib.error.URLError):
-        return False
+        return None
+
+
+def _healthy(url: str, token: str | None = None) -> bool:
+    status = _health(url, token)
+    return status is not None and 200 <= status < 300
 
 
 class DataParallelServer:
-    """Starts, watches and stops the replicas and the router."""
+    """Starts, watches and stops the replicas, the router and the front; restarts a replica that dies."""
 
-    def __init__(self, replicas: list[Child], router: Child, drain_timeout: float) -> None:
+    def __init__(self, replicas: list[Child], router: Child, front: Child, secret: str, drain_timeout: float,
+                 restart: RestartPolicy = RESTART_POLICY) -> None:
         self.replicas = replicas
         self.router = router
+        self.front = front
+        self.secret = secret  # the worker secret: what the router and the replicas accept
         self.drain_timeout = drain_timeout
+        self.restart = restart
         self.stop_signal: int | None = None  # set by the handler; reported outside it
         self._pumps: list[threading.Thread] = []
 
@@ -231,14 +269,20 @@ class DataParallelServer:
                 self._start(r, signal.SIGTERM)  # a replica drains its requests on SIGTERM
             if not self._wait_healthy(self.replicas):
                 return 0 if self.stop_requested else 1
-            self._start(self.router, signal.SIGKILL)  # the router holds nothing worth a grace period
+            for r in self.replicas:
+                r.serving = True  # the router starts with every one of them
+            # The router and the front hold nothing worth a grace period.
+            self._start(self.router, signal.SIGKILL)
             if not self._wait_healthy([self.router]):
+                return 0 if self.stop_requested else 1
+            self._start(self.front, signal.SIGKILL)
+            if not self._wait_healthy([self.front]):
                 return 0 if self.stop_requested else 1
             on_ready()
             return self._watch()
         finally:
             if self.stop_signal is not None:
-                _say(f"{signal.Signals(self.stop_signal).name}: stopping the replicas, then the router")
+                _say(f"{signal.Signals(self.stop_signal).name}: stopping the replicas, then the router and the front")
             self.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -248,7 +292,10 @@ class DataParallelServer:
             self.stop_signal = signum
 
     def _start(self, child: Child, death_signal: int) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+        # The user's key, which the launcher may have read from PAGODA_API_KEY, reaches only the child that is
+        # given it (the front).
+        inherited = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **child.env}
         # A session of its own: the terminal's Ctrl-C reaches this process only, which stops the children in order.
         child.proc = subprocess.Popen(child.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True,
@@ -269,10 +316,13 @@ class DataParallelServer:
                 return False
             for c in list(pending):
                 if not c.alive:
-                    c.reported = True
                     _say(f"error: {c.name} exited with code {c.proc and c.proc.returncode} before it was ready")
                     return False
-                if _healthy(c.url):
+                status = _health(c.url, c.token)
+                if status == 401:  # the router caches a refused token for good: it will never accept ours
+                    _say(f"error: {c.name} refused the worker secret")
+                    return False
+                if status is not None and 200 <= status < 300:
                     pending.remove(c)
             time.sleep(_POLL_S)
         return True
@@ -280,33 +330,70 @@ class DataParallelServer:
     def _watch(self) -> int:
         while not self.stop_requested:
             for r in self.replicas:
-                if not r.alive and not r.reported:
-                    r.reported = True
-                    _say(f"error: {r.name} exited with code {r.proc and r.proc.returncode}; the router stops "
-                         "sending it requests")
-                    self._remove_from_router(r.url)
-            if not any(r.alive for r in self.replicas):
+                if r.proc is None:
+                    continue  # given up on
+                if not r.alive:
+                    self._replica_exited(r)
+                elif not r.serving and time.monotonic() >= r.retry_at and _healthy(r.url):
+                    self._rejoin(r)
+            if all(r.proc is None for r in self.replicas):
                 _say("error: every replica has exited")
                 return 1
-            if not self.router.alive:
-                _say(f"error: the router exited with code {self.router.proc and self.router.proc.returncode}")
-                return 1
+            for c in (self.router, self.front):
+                if not c.alive:
+                    _say(f"error: the {c.name} exited with code {c.proc and c.proc.returncode}")
+                    return 1
             time.sleep(_POLL_S)
         return 0
 
-    def _remove_from_router(self, worker_url: str) -> None:
-        """vllm-router's POST /remove_worker: stop routing to a dead replica now, not after its health checks."""
-        url = f"{self.router.url}/remove_worker?url={urllib.parse.quote(worker_url, safe='')}"
+    def _replica_exited(self, r: Child) -> None:
+        """Out of the router at once (not after its health checks), then started again if the policy allows."""
+        assert r.proc is not None
+        _say(f"error: {r.name} exited with code {r.proc.returncode}; the router stops sending it requests")
+        if r.serving:
+            r.serving = False
+            if (err := self._router_admin("remove_worker", r.url)) is not None:
+                _say(f"could not remove {r.name} from the router: {err}")
+        now = time.monotonic()
+        if self.stop_requested or not self.restart.allows(r.restarts, now):
+            if not self.stop_requested:
+                _say(f"error: {r.name} exited {self.restart.max_restarts + 1} times within "
+                     f"{self.restart.window_s:.0f} s; it stays down")
+            r.proc = None
+            return
+        r.restarts = [t for t in r.restarts if now - t < self.restart.window_s] + [now]
+        _say(f"restarting {r.name} ({len(r.restarts)} of {self.restart.max_restarts} restarts within "
+             f"{self.restart.window_s:.0f} s)")
+        self._start(r, signal.SIGTERM)
+
+    def _rejoin(self, r: Child) -> None:
+        """A restarted replica that answers /health goes back into the router's rotation."""
+        err = self._router_admin("add_worker", r.url)
+        if err is None or "already exists" in err:
+            r.serving = True
+            _say(f"{r.name} is healthy again and back in the router")
+        else:
+            r.retry_at = time.monotonic() + 5.0
+            _say(f"could not add {r.name} back to the router: {err}")
+
+    def _router_admin(self, action: str, worker_url: str) -> str | None:
+        """vllm-router's POST /add_worker or /remove_worker, keyed by the worker secret; None or the error."""
+        url = f"{self.router.url}/{action}?url={urllib.parse.quote(worker_url, safe='')}"
+        request = urllib.request.Request(url, method="POST", headers={"Authorization": f"Bearer {self.secret}"})
         try:
-            urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5).close()
+            urllib.request.urlopen(request, timeout=10).close()
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}: {e.read(500).decode('utf-8', 'replace')}"
         except (OSError, urllib.error.URLError) as e:
-            _say(f"could not remove {worker_url} from the router: {e}")
+            return str(e)
+        return None
 
     def stop(self) -> None:
-        """SIGTERM the replicas and wait for them to drain (then SIGKILL), then stop the router. Idempotent."""
+        """SIGTERM the replicas and wait for them to drain (then SIGKILL), then stop the router and the front.
+        Idempotent."""
         _terminate([r for r in self.replicas if r.alive], self.drain_timeout + 10.0, signal.SIGTERM)
         # vllm-router's graceful shutdown can wait on idle client connections: it gets a few seconds, then SIGKILL.
-        _terminate([self.router] if self.router.alive else [], _ROUTER_STOP_S, signal.SIGTERM)
+        _terminate([c for c in (self.router, self.front) if c.alive], _ROUTER_STOP_S, signal.SIGTERM)
         for pump in self._pumps:
             pump.join(timeout=1.0)
 
@@ -346,8 +433,15 @@ def build(args: argparse.Namespace) -> tuple[DataParallelServer, str]:
         raise ValueError(f"--data-parallel-size {n}: {what} need {n * tp} cores, and this process may use "
                          f"{len(cores)} ({','.join(map(str, cores))})")
     router_extra = shlex.split(args.router_args or "")
-    router_bin = find_router()
+    check_router_installed()
     ports = replica_ports(args.data_parallel_base_port, args.port, n)
+    router_port = free_port()
+    while router_port in ports or router_port == args.port:
+        router_port = free_port()
+    from pagoda.config import server_api_key
+
+    user_key = server_api_key(args.api_key)
+    secret = secrets.token_urlsafe(32)
     common = forwarded_args(args)
     replicas = []
     for rank, (port, group) in enumerate(zip(ports, split_cores(cores, n))):
@@ -355,16 +449,25 @@ def build(args: argparse.Namespace) -> tuple[DataParallelServer, str]:
                "--port", str(port)]
         threads = str(len(group))
         replicas.append(Child(f"replica {rank}", cmd, f"http://127.0.0.1:{port}", group,
-                              {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}))
-    router_cmd = [router_bin, "--worker-urls", *(r.url for r in replicas), "--host", args.host,
-                  "--port", str(args.port), "--policy", args.router_policy,
+                              {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PAGODA_API_KEY": secret}))
+    router_cmd = [sys.executable, "-m", "pagoda.entrypoints.server.keyed_router",
+                  "--worker-urls", *(r.url for r in replicas), "--host", "127.0.0.1", "--port", str(router_port),
+                  "--policy", args.router_policy,
                   # The replicas are healthy before the router starts: check at once, not after its 30 s default.
                   "--worker-startup-check-interval", "1", *ROUTER_FAILOVER_ARGS, "--log-level", args.log_level]
     if "--prometheus-port" not in router_extra:  # its default, 29000, would collide between two launchers
         router_cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    router = Child("router", router_cmd + router_extra, f"http://127.0.0.1:{router_port}",
+                   env={WORKER_SECRET_ENV: secret}, token=secret)
+    front_cmd = [sys.executable, "-m", "pagoda.entrypoints.server.front", "--host", args.host, "--port",
+                 str(args.port), "--router", router.url, "--replica", *(r.url for r in replicas),
+                 "--log-level", args.log_level, "--header-timeout", str(args.header_timeout),
+                 *(["--max-connections", str(args.max_connections)] if args.max_connections else [])]
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    router = Child("router", router_cmd + router_extra, f"http://{host}:{args.port}")
-    return DataParallelServer(replicas, router, args.drain_timeout), f"http://{args.host}:{args.port}"
+    front = Child("front", front_cmd, f"http://{host}:{args.port}",
+                  env={WORKER_SECRET_ENV: secret, **({"PAGODA_API_KEY": user_key} if user_key else {})})
+    server = DataParallelServer(replicas, router, front, secret, args.drain_timeout)
+    return server, f"http://{args.host}:{args.port}"
 
 
 def main(args: argparse.Namespace, model_name: str) -> int:
@@ -373,7 +476,7 @@ def main(args: argparse.Namespace, model_name: str) -> int:
 
     def ready() -> None:
         print(f"pagoda: serving {model_name} on {url}: {len(server.replicas)} replicas behind vllm-router "
-              f"(policy {args.router_policy}): {', '.join(r.url for r in server.replicas)}",
-              file=sys.stderr, flush=True)
+              f"(policy {args.router_policy}, {server.router.url}) and Pagoda's front: "
+              f"{', '.join(r.url for r in server.replicas)}", file=sys.stderr, flush=True)
 
     return server.run(ready)

@@ -9,9 +9,9 @@ from fastapi.responses import JSONResponse
 from pagoda.entrypoints.server import protocol as P
 from pagoda.sampling_params import SamplingParams
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
