@@ -156,6 +156,10 @@ class EngineConfig:
     # Ranks the model is split over (Megatron-style, executor/multiproc.py): spawned on this host, or started
     # by torchrun across hosts.
     tensor_parallel_size: int = 1
+    # The cores this engine runs on ("0-3,6"; default: its affinity mask) and its compute threads (default: one per
+    # usable core, capped by a cgroup CPU quota, or OMP_NUM_THREADS where set): pagoda/cpus.py.
+    cpus: str | None = None
+    threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
@@ -167,7 +171,8 @@ class EngineConfig:
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
         structured_keys = {f"structured_outputs_{f}" for f in StructuredOutputsConfig.__dataclass_fields__}
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
-                    "quantization_group_size", "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size"}
+                    "quantization_group_size", "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size",
+                    "cpus", "threads"}
         unknown = set(kw) - cache_keys - sched_keys - structured_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -205,6 +210,9 @@ class EngineConfig:
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
         self.structured.validate()
+        from pagoda.cpus import resolve
+
+        resolve(self.cpus, self.threads)
 
     def kernel_policy(self) -> KernelPolicy:
         """The kernels this engine's models may use, resolved once (the C++ build is tried here)."""

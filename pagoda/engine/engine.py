@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -14,6 +15,8 @@ import torch
 
 from pagoda.config import EngineConfig, resolve_dtype
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.cpus import affinity
+from pagoda.cpus import resolve as resolve_cpus
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.core.emitted import Emitted
@@ -53,6 +56,13 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        cores, threads = resolve_cpus(config.cpus, config.threads)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        logger.info("compute threads: %d on cores %s", torch.get_num_threads(),
+                    ",".join(map(str, cores or affinity())))
         torch.manual_seed(config.seed)
         self.files = resolve_model_files(config.model)
         self.args = ModelArgs.from_hf_config(self.files.hf_config)

@@ -82,6 +82,11 @@ def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model over this many ranks: processes spawned on this host, each bound to its "
                         "share of the cores; across hosts, start every rank with torchrun (default 1)")
+    p.add_argument("--cpus", default=None, metavar="LIST",
+                   help="run on these cores only, e.g. 0-3,6 (default: the cores this process may use)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: one per usable core, capped by a container's CPU quota; "
+                        "OMP_NUM_THREADS where set)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -98,7 +103,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
             "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
-            "int4_activations", "kernel_tuning", "tensor_parallel_size", "structured_outputs_compile_workers",
+            "int4_activations", "kernel_tuning", "tensor_parallel_size", "cpus", "threads",
+            "structured_outputs_compile_workers",
             "structured_outputs_compile_timeout", "structured_outputs_compile_memory"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 

@@ -29,6 +29,7 @@ import torch.distributed
 
 from pagoda.config import EngineConfig, resolve_dtype
 from pagoda.core.scheduler import SchedulerOutput
+from pagoda.cpus import affinity, cgroup_cpu_limit, default_threads
 from pagoda.distributed.communicator import Communicator, ShmCommunicator, TorchDistCommunicator
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.distributed.tensor_parallel import Shard, split
@@ -88,11 +89,11 @@ def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
 
 def bind_cores(rank: int, world: int) -> None:
     """Bind this process to rank `rank`'s share of the cores it may run on, one compute thread per core."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores, limit = affinity(), cgroup_cpu_limit()
     if len(cores) >= world:
         mine = [cores[i] for i in split(len(cores), world, rank)]
         os.sched_setaffinity(0, mine)
-        torch.set_num_threads(len(mine))
+        torch.set_num_threads(default_threads(mine, None if limit is None else limit / world))
     else:  # more ranks than cores: share them, one thread each
         torch.set_num_threads(1)
 

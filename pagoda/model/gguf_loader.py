@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagoda.cpus import affinity
 from pagoda.model.errors import ModelFileError, warn_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -551,7 +552,7 @@ def iter_gguf_weights(g: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype
         return hf, t
 
     # numpy releases the GIL in the dequantization kernels, so threads overlap usefully.
-    threads = num_threads or min(4, os.cpu_count() or 1)
+    threads = num_threads or min(4, len(affinity()))
     if threads <= 1:
         for job in jobs:
             yield load(job)

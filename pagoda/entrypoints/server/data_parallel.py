@@ -42,6 +42,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from pagoda.cpus import resolve as resolve_cpus
 from pagoda.entrypoints.server.keyed_router import WORKER_SECRET_ENV
 
 # vllm-router's policies that Pagoda's server serves everything for (docs/deployment.md has what each asks);
@@ -56,7 +57,7 @@ ROUTER_FAILOVER_ARGS = ("--cb-failure-threshold", "3", "--health-check-interval-
 # Flags of `pagoda serve` that belong to this launcher, not to the replicas it starts. The user's --api-key
 # is the front's alone: the replicas accept only the worker secret.
 _LAUNCHER_DESTS = frozenset({"model", "model_flag", "host", "port", "data_parallel_size", "data_parallel_base_port",
-                             "router_policy", "router_args", "api_key", "help"})
+                             "router_policy", "router_args", "api_key", "cpus", "threads", "help"})
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2
 _ROUTER_STOP_S = 3.0
@@ -428,6 +429,9 @@ def build(args: argparse.Namespace) -> tuple[DataParallelServer, str]:
         raise ValueError("--data-parallel-size must be at least 1")
     tp = getattr(args, "tensor_parallel_size", None) or 1
     cores = usable_cores()
+    if getattr(args, "cpus", None) is not None:  # the launcher's pool to split between the replicas, not each replica's
+        chosen = set(resolve_cpus(args.cpus, None)[0] or ())
+        cores = [c for c in cores if c in chosen]
     if n * tp > len(cores):
         what = f"{n} replicas" + (f" x {tp} tensor-parallel ranks" if tp > 1 else "")
         raise ValueError(f"--data-parallel-size {n}: {what} need {n * tp} cores, and this process may use "
