@@ -1,5 +1,5 @@
-"""The scheduler's fairness rule: decodes before prompts, new prompts before long ones under way, and seats
-shared between clients and between requests (core/fairness.py)."""
+"""The scheduler's fairness rule: decodes before prompts, prompts shortest remaining first, and seats shared
+between clients and between requests (core/fairness.py)."""
 from __future__ import annotations
 
 import itertools
@@ -99,12 +99,16 @@ def test_a_new_prompt_goes_before_a_long_one_under_way():
     assert out.seqs == [short.seqs[0], long.seqs[0]] and out.num_scheduled == [10, 54]
 
 
-def test_prompts_under_way_share_the_budget_least_computed_first():
+def test_prompts_go_shortest_remaining_first() -> None:
     sched = scheduler(max_seqs=4, budget=64, blocks=1024)
     first, second = make(1000), make(1000)
     sched.add(first.seqs[0])
     run(sched, 3)
     sched.add(second.seqs[0])
+    out = sched.schedule()
+    assert out.seqs == [first.seqs[0]]  # 808 left against 1000: the nearer end first
+    short = make(40)
+    sched.add(short.seqs[0])
     run(sched, 1)
     out = sched.schedule()
-    assert out.seqs == [second.seqs[0]]  # 64 computed against 192: the younger catches up first
+    assert short.seqs[0] in out.seqs and out.num_scheduled[out.seqs.index(short.seqs[0])] == 1  # decoding already

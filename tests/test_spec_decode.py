@@ -13,8 +13,10 @@ from pagoda.spec_decode.ngram import NgramProposer, ngram_propose
 
 # Token ids < 32: a 32-token vocabulary makes greedy output of a random tiny model fall into loops (as real
 # models do when they copy from their input), so n-gram proposals get accepted.
-PROMPTS = [[5, 6, 7, 8] * 4, list(range(3, 30)), [7], list(range(20, 30)) * 2 + [1, 2], list(range(20, 30)) * 2 + [3],
-           [9, 10, 11, 12] * 3 + [13]]
+# The fifth shares 20 tokens with the fourth and is the longest: it starts (shortest remaining first) once
+# the fourth's blocks are cached.
+PROMPTS = [[5, 6, 7, 8] * 4, list(range(3, 30)), [7], list(range(20, 30)) * 2 + [1, 2],
+           list(range(20, 30)) * 2 + [3] + [4] * 12, [9, 10, 11, 12] * 3 + [13]]
 BLOCK = 4
 TINY_BLOCK_BYTES = 2 * 2 * 2 * BLOCK * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
 

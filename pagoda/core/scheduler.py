@@ -5,9 +5,9 @@ any speculative proposals to verify), within a per-step token budget and a seque
 token; a prompt gets a chunk. That yields chunked prefill and mixed prefill/decode steps, as in vLLM v1. When
 the pool runs dry, the newest running sequence is preempted (KV dropped, recomputed later).
 
-Fairness (core/fairness.py): the budget goes to decodes first, then to new sequences, then to prompts under
-way, least computed first, so a short prompt gets its first token within a step or two however long the
-prompts around it are. Seats go to the client holding fewest (then, within a client, the request): while
+Fairness (core/fairness.py): the budget goes to decodes first, then to prompts, those under way and new ones
+together, shortest remaining first: a short prompt gets its first token within a step or two however long
+the prompts around it are, and a burst of prompts finishes them one after another rather than all at once. Seats go to the client holding fewest (then, within a client, the request): while
 someone waits and the seats are full, a client or request holding two more seats than the waiter yields its
 newest one. One client, or one request's `n`, can hold every seat only while nobody else wants one.
 """
@@ -90,51 +90,63 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2) Admit waiting sequences, fairest first, while budget, seats and blocks allow; never jump a
-        # preemption for want of blocks.
-        if not out.preempted:
-            while budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting.fairest(seats)
-                if seq is None:
-                    break
-                num_cached = self._acquire_cached_prefix(seq)
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
-                    if num_cached:  # give the cached blocks back; retried next step
-                        self.kv.free(seq.seq_id)
-                        seq.num_computed_tokens = 0
-                    break
-                if seq.num_preemptions == 0 and self.kv.enable_prefix_caching:
-                    # Count first admissions only, so recomputation after preemption does not skew the rate.
-                    self.kv.stats.queries += seq.num_tokens
-                    self.kv.stats.hits += num_cached
-                    seq.num_cached_tokens = num_cached
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
-                seats.take(seq)
-                out.add(seq, num_new)
-                budget -= num_new
-
-        # 3) Prompts under way, least computed first: a long prompt shares the budget with the ones that
-        # came after it instead of holding it until it is done.
-        prefilling.sort(key=lambda s: s.num_computed_tokens)
-        for seq in prefilling:
+        # 2) Prompts: those under way and the waiting ones the free seats go to (fairest first; never past a
+        # preemption for want of blocks), shortest remaining first, so a short prompt's first token never waits
+        # behind a long one, and a prompt cut by the last step's budget finishes before new ones start.
+        newcomers: list[Sequence] = []
+        while not out.preempted and len(self.running) + len(newcomers) < self.config.max_num_seqs:
+            seq = self.waiting.fairest(seats)
+            if seq is None:
+                break
+            self.waiting.remove(seq)
+            seats.take(seq)
+            newcomers.append(seq)
+        admitting = bool(newcomers)
+        for seq in sorted(prefilling + newcomers, key=lambda s: (s.num_tokens - s.num_computed_tokens, s.seq_id)):
             if budget <= 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:  # preempted above
-                continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if out.seqs:
-                # Blocks are short and others progress: wait for theirs rather than preempt a scheduled row.
-                if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
-                    break
-            elif not self._allocate_or_preempt(seq, num_new, out, seats):
-                continue
+            if seq.status is SeqStatus.RUNNING:  # under way
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if out.seqs:
+                    # Blocks are short and others progress: wait for theirs rather than preempt a scheduled row.
+                    if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+                        break
+                elif not self._allocate_or_preempt(seq, num_new, out, seats):
+                    continue
+            elif seq.status is SeqStatus.PREEMPTED and seq in prefilling:
+                continue  # preempted just now, for another's blocks
+            else:
+                if not admitting or not self._admit(seq, budget):
+                    admitting = False  # out of blocks: the rest wait for the next step, in their order
+                    continue
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                newcomers.remove(seq)
             out.add(seq, num_new)
             budget -= num_new
+        for seq in reversed(newcomers):  # not admitted this step: back to the head of their queues
+            seats.give(seq)
+            self.waiting.appendleft(seq)
         out.block_copies = self.kv.take_copies()
         return out
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """A waiting sequence takes its cached prefix and slots for its first chunk and starts running; False
+        (nothing held) where the pool cannot give them."""
+        num_cached = self._acquire_cached_prefix(seq)
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
+            if num_cached:  # give the cached blocks back; retried next step
+                self.kv.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+            return False
+        if seq.num_preemptions == 0 and self.kv.enable_prefix_caching:
+            # Count first admissions only, so recomputation after preemption does not skew the rate.
+            self.kv.stats.queries += seq.num_tokens
+            self.kv.stats.hits += num_cached
+            seq.num_cached_tokens = num_cached
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput, seats: Seats) -> bool:
         """Slots for `num_new` tokens of `seq`, preempting the newest running sequences until they fit;
