@@ -19,6 +19,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from pagoda.entrypoints.server.errors import MESSAGES_PATH
 from pagoda.entrypoints.server.app import ServerSettings, create_app
 from pagoda.entrypoints.server.openapi import GENERATION_ROUTES, PUBLIC_PATHS
 
@@ -33,13 +34,21 @@ REQUEST_TIMEOUT_S = 60
 
 
 def openai_error_shape(ctx: Any, response: schemathesis.Response, case: schemathesis.Case) -> None:
-    """Every non-2xx body is `{"error": {"message", "type", "param", "code"}}`."""
+    """Every non-2xx body is `{"error": {"message", "type", "param", "code"}}`, or on Anthropic's Messages routes
+    `{"type": "error", "error": {"type", "message"}}`."""
     if response.status_code < 400:
         return
     try:
         body = json.loads(response.content)
     except ValueError:
         raise AssertionError(f"{response.status_code} body is not JSON: {response.content[:200]!r}") from None
+    if case.path.startswith(MESSAGES_PATH):
+        assert isinstance(body, dict) and body.get("type") == "error" and set(body) == {"type", "error"}, \
+            f"not Anthropic's error shape: {body!r}"
+        err = body["error"]
+        assert isinstance(err, dict) and isinstance(err.get("type"), str) and isinstance(err.get("message"), str) \
+            and err["message"], f"error: {err!r}"
+        return
     assert isinstance(body, dict) and set(body) == {"error"}, f"not OpenAI's error shape: {body!r}"
     err = body["error"]
     assert isinstance(err, dict) and {"message", "type", "param", "code"} <= set(err), f"error lacks keys: {err!r}"
@@ -154,7 +163,8 @@ def _check_documented(status: int, doc: dict[str, Any], send: Any) -> None:
         if documented != (r.status_code == status):
             wrong.append(f"{method.upper()} {path}: {r.status_code} ({status} documented: {documented})")
         elif documented:
-            openai_error_shape(None, schemathesis.Response.from_any(r), None)  # type: ignore[arg-type]
+            where = SimpleNamespace(path=path)
+            openai_error_shape(None, schemathesis.Response.from_any(r), where)  # type: ignore[arg-type]
     assert not wrong, "\n".join(wrong)
 
 
@@ -182,7 +192,8 @@ def test_documented_413s_are_what_the_server_answers_over_the_body_limit(
 # ---- the document itself, without a server (runs in the default suite) -------------------------------
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
-    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
+    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=None),
+                             input_processor=SimpleNamespace(tokenizer=None))
     return create_app(engine, ServerSettings(served_model_names=["m"])).openapi()  # type: ignore[arg-type]
 
 
@@ -194,7 +205,8 @@ def test_openapi_declares_400_with_openai_errors_never_fastapis_422(document: di
         for method, op in item.items():
             if "requestBody" in op:
                 error = op["responses"]["400"]["content"]["application/json"]["schema"]
-                assert error == {"$ref": "#/components/schemas/ErrorResponse"}, f"{method} {path}"
+                shape = "AnthropicErrorResponse" if path.startswith(MESSAGES_PATH) else "ErrorResponse"
+                assert error == {"$ref": f"#/components/schemas/{shape}"}, f"{method} {path}"
 
 
 def test_openapi_declares_sse_on_generation_routes_and_auth_off_public_ones(document: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from pagoda.entrypoints.server.middleware import APIKeyMiddleware, BodyLimitMidd
 from pagoda.entrypoints.server.openapi import install_openapi
 from pagoda.entrypoints.server.serving import Serving
 from pagoda.entrypoints.server.serving_chat import ChatServing
+from pagoda.entrypoints.server.serving_messages import CountTokensRequest, MessagesRequest, MessagesServing
 from pagoda.entrypoints.server.serving_completions import create_completion, render_completion
 from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from pagoda.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ def server_info(core: Any, settings: ServerSettings) -> dict[str, Any]:
 def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
     s = Serving(engine, settings)
     chat = ChatServing(s, settings.tool_call_parser)
+    messages = MessagesServing(chat)
     inputs, tokenizer, names = s.inputs, s.tokenizer, s.names
     core = engine.engine  # for what the engine reports about itself (/version, /server_info)
 
@@ -77,13 +79,17 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     app.state.engine = engine
     app.state.metrics = metrics
 
-    # ---- errors: always OpenAI's shape ------------------------------------------------------
+    # ---- errors: OpenAI's shape, Anthropic's on its Messages routes --------------------------
+    def error(request: Request, status: int, message: str, param: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        return error_response(status, message, param, headers, request.url.path)
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.headers)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error(request, e.status, e.message, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         parts, param = [], None
         for err in e.errors():
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -93,17 +99,17 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
             if param is None and loc:
                 param = loc[0]
             parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-        return error_response(400, "; ".join(parts) or "invalid request", param)
+        return error(request, 400, "; ".join(parts) or "invalid request", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error(request, e.status_code, str(e.detail), headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> JSONResponse:
         # A bug in a handler: OpenAI's shape, never text/plain, and no internals in the message.
         logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
-        return error_response(500, "internal server error")
+        return error(request, 500, "internal server error")
 
     v1 = APIRouter(prefix="/v1")
 
@@ -114,6 +120,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     @v1.post("/chat/completions", response_model=None)
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
         return await chat.create(req, request)
+
+    @v1.post("/messages", response_model=None)
+    async def create_message(req: MessagesRequest, request: Request) -> Any:
+        return await messages.create(req, request)
+
+    @v1.post("/messages/count_tokens")
+    async def count_message_tokens(req: CountTokensRequest) -> dict[str, int]:
+        return await messages.count_tokens(req)
 
     # vLLM's render routes: the prompt's token ids, nothing generated (vllm-router's cache_aware asks for them)
     @v1.post("/completions/render")

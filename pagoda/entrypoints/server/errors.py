@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: every failure a client sees is {"error": {message, type, param, code}}."""
+"""Errors in OpenAI's shape: every failure a client sees is {"error": {message, type, param, code}}; on
+Anthropic's Messages routes (MESSAGES_PATH) in Anthropic's: {"type": "error", "error": {type, message}}."""
 from __future__ import annotations
 
 import re
@@ -25,9 +26,22 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return P.ErrorResponse(error=info).model_dump()
 
 
+MESSAGES_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    info = P.AnthropicErrorInfo(type=_ANTHROPIC_TYPES.get(status, "api_error"), message=message)
+    return P.AnthropicErrorResponse(error=info).model_dump()
+
+
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error in the shape of the route at `path` (OpenAI's unless it is one of Anthropic's)."""
+    body = anthropic_error_body if path.startswith(MESSAGES_PATH) else error_body
+    return JSONResponse(body(status, message, param), status_code=status, headers=headers)
 
 
 def _param_of(message: str, known: set[str]) -> str | None:

@@ -13,14 +13,17 @@ from pagoda.entrypoints.server.openapi import PUBLIC_PATHS
 
 class APIKeyMiddleware:
     def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         # PUBLIC_PATHS (probes, metrics, the API docs) stay open; every other route needs the key.
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not secrets.compare_digest(auth, self.expected):
-                await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)")(
+            headers = dict(scope.get("headers") or [])
+            # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key.
+            if not (secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+                    or secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+                await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
+                                          "x-api-key: KEY)", path=scope["path"])(
                     scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -41,7 +44,7 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         too_large = error_response(413, f"request body is larger than the server's limit of {self.max_bytes} "
-                                        "bytes (--max-request-body-bytes)")
+                                        "bytes (--max-request-body-bytes)", path=scope["path"])
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn itself refuses malformed ones
             await too_large(scope, receive, send)
@@ -53,7 +56,8 @@ class BodyLimitMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - asyncio.get_running_loop().time(), 0))
             except TimeoutError:  # a client that declares more than it sends must not hold its slot forever
-                await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s")(
+                await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s",
+                                     path=scope["path"])(
                     scope, receive, send)
                 return
             if message["type"] == "http.disconnect":

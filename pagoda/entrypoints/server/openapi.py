@@ -1,8 +1,8 @@
 """The OpenAPI document as the server behaves, not as FastAPI guesses.
 
 FastAPI declares a 422 with its own validation body on every route that takes input, and knows nothing of
-what the handlers answer themselves. The server answers every error in OpenAI's shape (`ErrorResponse`)
-with a 400 for invalid input, streams server-sent events when `stream` is true, and returns bare bodies
+what the handlers answer themselves. The server answers every error in OpenAI's shape (`ErrorResponse`; on
+Anthropic's Messages routes `AnthropicErrorResponse`) with a 400 for invalid input, streams server-sent events when `stream` is true, and returns bare bodies
 from its operational routes. `install_openapi` rewrites the generated document once, on first request.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pagoda.entrypoints.server import protocol as P
+from pagoda.entrypoints.server.errors import MESSAGES_PATH
 from pagoda.entrypoints.server.metrics import CONTENT_TYPE
 
 _REF = "#/components/schemas/{model}"
@@ -76,7 +77,10 @@ def truthful(doc: dict[str, Any]) -> dict[str, Any]:
     """Rewrite a FastAPI-generated document in place (and return it) to match the server's answers."""
     components = doc.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
-    _add_models(schemas, [P.ErrorResponse, *(m for pair in GENERATION_ROUTES.values() for m in pair)])
+    from pagoda.entrypoints.server.serving_messages import MessagesResponse
+
+    _add_models(schemas, [P.ErrorResponse, P.AnthropicErrorResponse, MessagesResponse,
+                          *(m for pair in GENERATION_ROUTES.values() for m in pair)])
     protected = False
     for path, item in doc.get("paths", {}).items():
         for method, op in item.items():
@@ -89,9 +93,16 @@ def truthful(doc: dict[str, Any]) -> dict[str, Any]:
                 full, chunk = GENERATION_ROUTES[path]
                 responses["200"] = _ok({"application/json": {"schema": _ref(full.__name__)},
                                         "text/event-stream": {"schema": _sse_event(chunk.__name__)}})
+            if path == MESSAGES_PATH:
+                responses["200"] = _ok({"application/json": {"schema": _ref(MessagesResponse.__name__)},
+                                        "text/event-stream": {"schema": {"type": "string", "description": (
+                                            "Anthropic's named events: message_start, content_block_start, "
+                                            "content_block_delta, content_block_stop, message_delta, "
+                                            "message_stop; error on a failure after the 200")}}})
             invalid = responses.pop("422", None) is not None  # FastAPI's validation error: the server answers 400
+            shape = "AnthropicErrorResponse" if path.startswith(MESSAGES_PATH) else "ErrorResponse"
             for status in sorted(_error_statuses(path, op, schemas, invalid)):
-                responses[str(status)] = _error(status)
+                responses[str(status)] = _error(status, shape)
             if path not in PUBLIC_PATHS:
                 op["security"] = [{"bearerAuth": []}]
                 protected = True
@@ -113,7 +124,7 @@ def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], inva
     if "model" in _body_properties(op, schemas):
         statuses.add(404)
     statuses |= {408, 413}  # the body limit and read timeout hold for every request, read before routing
-    if path in GENERATION_ROUTES:
+    if path in GENERATION_ROUTES or path == MESSAGES_PATH:
         statuses |= {400, 500, 503}
     return statuses
 
@@ -150,9 +161,9 @@ def _ok(content: dict[str, Any]) -> dict[str, Any]:
     return {"description": "Successful Response", **({"content": content} if content else {})}
 
 
-def _error(status: int) -> dict[str, Any]:
+def _error(status: int, shape: str = "ErrorResponse") -> dict[str, Any]:
     response: dict[str, Any] = {"description": ERROR_DESCRIPTIONS[status],
-                                "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+                                "content": {"application/json": {"schema": _ref(shape)}}}
     if status == 503:
         response["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
                                                "schema": {"type": "integer"}}}

@@ -399,3 +399,14 @@ class ErrorInfo(_Model):
 
 class ErrorResponse(_Model):
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(_Model):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Model):
+    """The error body of Anthropic's Messages routes."""
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo

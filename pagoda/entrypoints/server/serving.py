@@ -307,7 +307,11 @@ class Serving:
                             make_chunks: Callable[[int, RequestOutput], list[dict[str, Any]]],
                             preamble: list[dict[str, Any]],
                             empty_chunk: Callable[[list[dict[str, Any]]], dict[str, Any]] | None,
-                            ) -> AsyncIterator[str]:
+                            frame: Callable[[dict[str, Any]], str] = _sse,
+                            error: Callable[[int, str], dict[str, Any]] = error_body,
+                            done: str | None = "[DONE]") -> AsyncIterator[str]:
+        """The SSE stream of `queued`'s outputs, each turned into chunks by `make_chunks` and written by `frame`;
+        a failure ends it with `error`'s body, and `done` (OpenAI's "[DONE]"; None: nothing) closes it."""
         streams = [self.engine.stream(rid, q) for rid, q in queued]
         finals: dict[int, RequestOutput] = {}
         watch = asyncio.create_task(_until_disconnected(request))
@@ -320,36 +324,37 @@ class Serving:
         merged = _merge(streams)
         try:
             for chunk in preamble:
-                yield _sse(chunk)
+                yield frame(chunk)
             async for i, out in merged:
                 if out.finished:
                     finals[i] = out
                 for chunk in make_chunks(i, out):
-                    yield _sse(chunk)
+                    yield frame(chunk)
             if len(finals) < len(queued):
                 raise EngineDeadError("the request was aborted (server shutting down)")
             if empty_chunk is not None:  # stream_options.include_usage: a last chunk with no choices
                 body = empty_chunk([])
                 body["usage"] = self.usage_of(list(finals.values())).model_dump()
-                yield _sse(body)
+                yield frame(body)
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except EngineDeadError as e:
-            yield _sse(error_body(503, str(e)))
+            yield frame(error(503, str(e)))
         except RequestFailedError as e:
             if e.status != 400:
                 logger.error("streaming request %s failed: %s", queued[0][0] if queued else "?", e)
-            yield _sse(error_body(e.status, str(e) if e.status == 400 else f"internal error while generating: {e}"))
+            yield frame(error(e.status, str(e) if e.status == 400 else f"internal error while generating: {e}"))
         except Exception as e:
             logger.exception("streaming request %s failed", queued[0][0] if queued else "?")
-            yield _sse(error_body(500, f"internal error while generating: {e}"))
+            yield frame(error(500, f"internal error while generating: {e}"))
         finally:
             watch.cancel()
             with contextlib.suppress(Exception):
                 await merged.aclose()
             for rid, _ in queued:  # no-op for finished requests; frees blocks of the rest at once
                 self.engine.abort(rid)
-        yield _sse("[DONE]")
+        if done is not None:
+            yield _sse(done)
 
     def sse_response(self, gen: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(gen, media_type="text/event-stream",
