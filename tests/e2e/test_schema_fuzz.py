@@ -3,7 +3,9 @@
 and bodies as the document declares them. Generation is capped at a few tokens so the run stays bounded."""
 from __future__ import annotations
 
+import functools
 import json
+import time
 import zlib
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -11,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -19,9 +22,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from pagoda.entrypoints.server.errors import MESSAGES_PATH
 from pagoda.entrypoints.server.app import ServerSettings, create_app
+from pagoda.entrypoints.server.errors import MESSAGES_PATH
 from pagoda.entrypoints.server.openapi import GENERATION_ROUTES, PUBLIC_PATHS
+from tests.e2e.conftest import MODEL_NAME
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServerProcess
@@ -223,3 +227,35 @@ def test_openapi_declares_sse_on_generation_routes_and_auth_off_public_ones(docu
 def test_openapi_document_loads_in_schemathesis(document: dict[str, Any]) -> None:
     labels = [op.ok().label for op in schemathesis.openapi.from_dict(document).get_all_operations()]
     assert "POST /v1/chat/completions" in labels and "GET /metrics" in labels
+
+
+# ---- hostile constraints: generated schemas that once killed or froze the server ------------------------
+def _hostile_schemas() -> st.SearchStrategy[dict[str, Any]]:
+    names = st.text("abcdefgh", min_size=1, max_size=4)
+    recursive = names.map(lambda n: {"$defs": {n: {"type": "object", "properties": {"c": {"$ref": f"#/$defs/{n}"}},
+                                                   "required": ["c"]}}, "$ref": f"#/$defs/{n}"})
+    long_array = st.integers(10**3, 10**12).map(lambda k: {"type": "array", "items": {"const": "x"}, "minItems": k})
+    big_enum = st.integers(4000, 30000).map(lambda k: {"enum": [f"value {i}" for i in range(k)]})
+    deep = st.integers(100, 400).map(lambda d: functools.reduce(
+        lambda inner, _: {"type": "object", "properties": {"a": inner}, "required": ["a"]}, range(d),
+        {"type": "string"}))
+    return st.one_of(recursive, long_array, big_enum, deep)
+
+
+@pytest.mark.fuzz
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=_hostile_schemas())
+def test_hostile_schemas_are_answered_without_hurting_the_server(fuzz_server: ServerProcess, fuzz_api_key: str,
+                                                               schema: dict[str, Any]) -> None:
+    """Recursive $ref, minItems in the billions, huge enums and deep nesting: each a 400 (or a bounded answer)
+    within the compile budget, and /health answers within a second right after."""
+    headers = {"Authorization": f"Bearer {fuzz_api_key}"}
+    body = {"model": MODEL_NAME, "prompt": "JSON:", "max_tokens": 8,
+            "structured_outputs": {"json": schema}}
+    r = httpx.post(f"{fuzz_server.url}/v1/completions", json=body, headers=headers, timeout=90)
+    assert r.status_code in (200, 400, 413), r.text[:300]
+    if r.status_code != 200:
+        openai_error_shape(None, schemathesis.Response.from_any(r), SimpleNamespace(path="/v1/completions"))
+    t0 = time.monotonic()
+    assert httpx.get(f"{fuzz_server.url}/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 < 1.0
