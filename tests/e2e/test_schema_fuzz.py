@@ -24,7 +24,7 @@ from schemathesis.specs.openapi.checks import (
 
 from pagoda.entrypoints.server.app import ServerSettings, create_app
 from pagoda.entrypoints.server.errors import MESSAGES_PATH
-from pagoda.entrypoints.server.openapi import GENERATION_ROUTES, PUBLIC_PATHS
+from pagoda.entrypoints.server.openapi import GENERATION_ROUTES, NAMED_EVENT_ROUTES, PUBLIC_PATHS
 from tests.e2e.conftest import MODEL_NAME
 
 if TYPE_CHECKING:
@@ -87,17 +87,19 @@ def bound_generation(case: schemathesis.Case) -> None:
     the wrong type is left alone (that case tests the 400). Half the cases that leave `stream` out (most do)
     stream, chosen by the body's hash so that a failing case replays (`@schema.given` would turn off
     schemathesis's coverage phase)."""
-    body = case.body
-    if case.operation.path not in GENERATION_ROUTES or not isinstance(body, dict):
+    body, path = case.body, case.operation.path
+    if path not in GENERATION_ROUTES and path not in NAMED_EVENT_ROUTES or not isinstance(body, dict):
         return
     if "stream" not in body and zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()) % 2:
         body["stream"] = True
     for key, cap in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS),
-                     ("n", MAX_CHOICES), ("best_of", MAX_CHOICES)):
+                     ("max_output_tokens", MAX_TOKENS), ("n", MAX_CHOICES), ("best_of", MAX_CHOICES)):
         if _is_int(body.get(key)) and body[key] > cap:
             body[key] = cap
-    if body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS  # null or absent: up to the context length
+    if path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_TOKENS  # null or absent: up to the context length
+    if path in GENERATION_ROUTES and body.get("max_completion_tokens") is None and body.get("max_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from pagoda.entrypoints.server.openapi import install_openapi
 from pagoda.entrypoints.server.serving import Serving
 from pagoda.entrypoints.server.serving_chat import ChatServing
 from pagoda.entrypoints.server.serving_messages import CountTokensRequest, MessagesRequest, MessagesServing
+from pagoda.entrypoints.server.serving_responses import ResponsesRequest, ResponsesServing
 from pagoda.entrypoints.server.serving_completions import create_completion, render_completion
 from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from pagoda.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     s = Serving(engine, settings)
     chat = ChatServing(s, settings.tool_call_parser)
     messages = MessagesServing(chat)
+    responses = ResponsesServing(chat)
     inputs, tokenizer, names = s.inputs, s.tokenizer, s.names
     core = engine.engine  # for what the engine reports about itself (/version, /server_info)
 
@@ -120,6 +122,18 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     @v1.post("/chat/completions", response_model=None)
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Any:
         return await chat.create(req, request)
+
+    @v1.post("/responses", response_model=None)
+    async def create_response(req: ResponsesRequest, request: Request) -> Any:
+        return await responses.create(req, request)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.get(response_id)
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
 
     @v1.post("/messages", response_model=None)
     async def create_message(req: MessagesRequest, request: Request) -> Any:

@@ -33,6 +33,16 @@ GENERATION_ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/chat/completions": (P.ChatCompletionResponse, P.ChatCompletionStreamResponse),
 }
 
+# Routes that stream named events (`stream: true`): their JSON body's model (None: an object) and the events.
+NAMED_EVENT_ROUTES: dict[str, tuple[str | None, str]] = {
+    MESSAGES_PATH: ("MessagesResponse", "Anthropic's events: message_start, content_block_start, content_block_delta, "
+                                        "content_block_stop, message_delta, message_stop; error after the 200"),
+    "/v1/responses": (None, "response.created, response.in_progress, response.output_item.added, "
+                            "response.content_part.added, response.output_text.delta, "
+                            "response.function_call_arguments.delta, their .done events, response.completed or "
+                            "response.incomplete; error after the 200"),
+}
+
 # Routes whose handler returns a bare Response, so FastAPI cannot see the 200: its content ({} = no body).
 PLAIN_OK: dict[str, dict[str, Any]] = {
     "/health": {},
@@ -45,12 +55,14 @@ PLAIN_OK: dict[str, dict[str, Any]] = {
 
 # Error statuses a route answers besides those the rules in `_error_statuses` find.
 EXTRA_ERRORS: dict[str, frozenset[int]] = {"/health": frozenset({503}), "/ping": frozenset({503}),
-                                           "/health_generate": frozenset({503})}
+                                           "/health_generate": frozenset({503}),
+                                           "/v1/responses": frozenset({404}),  # previous_response_id
+                                           "/v1/responses/{response_id}": frozenset({404})}
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a field of the wrong type, or a value out of range",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
-    404: "The model is not served",
+    404: "The model is not served (or the stored response is not there)",
     408: "The request body did not arrive in time",
     413: "Request body over the size limit",
     500: "The engine failed while generating this request",
@@ -93,12 +105,10 @@ def truthful(doc: dict[str, Any]) -> dict[str, Any]:
                 full, chunk = GENERATION_ROUTES[path]
                 responses["200"] = _ok({"application/json": {"schema": _ref(full.__name__)},
                                         "text/event-stream": {"schema": _sse_event(chunk.__name__)}})
-            if path == MESSAGES_PATH:
-                responses["200"] = _ok({"application/json": {"schema": _ref(MessagesResponse.__name__)},
-                                        "text/event-stream": {"schema": {"type": "string", "description": (
-                                            "Anthropic's named events: message_start, content_block_start, "
-                                            "content_block_delta, content_block_stop, message_delta, "
-                                            "message_stop; error on a failure after the 200")}}})
+            if path in NAMED_EVENT_ROUTES:  # `event: <type>` + `data: <JSON>` per event
+                body, events = NAMED_EVENT_ROUTES[path]
+                responses["200"] = _ok({"application/json": {"schema": _ref(body) if body else {"type": "object"}},
+                                        "text/event-stream": {"schema": _named_event(events)}})
             invalid = responses.pop("422", None) is not None  # FastAPI's validation error: the server answers 400
             shape = "AnthropicErrorResponse" if path.startswith(MESSAGES_PATH) else "ErrorResponse"
             for status in sorted(_error_statuses(path, op, schemas, invalid)):
@@ -124,7 +134,7 @@ def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], inva
     if "model" in _body_properties(op, schemas):
         statuses.add(404)
     statuses |= {408, 413}  # the body limit and read timeout hold for every request, read before routing
-    if path in GENERATION_ROUTES or path == MESSAGES_PATH:
+    if path in GENERATION_ROUTES or path in NAMED_EVENT_ROUTES:
         statuses |= {400, 500, 503}
     return statuses
 
@@ -155,6 +165,14 @@ def _sse_event(chunk: str) -> dict[str, Any]:
     return {"type": "object", "required": ["data"],
             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, payload]}},
             "description": f"`data: <{chunk} JSON>` per chunk, then `data: [DONE]`"}
+
+
+def _named_event(names: str) -> dict[str, Any]:
+    """One server-sent event with a name: `event:` its type, `data:` an object whose `type` says it again."""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"type": "object", "required": ["type"]}}
+    return {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": payload}, "description": names}
 
 
 def _ok(content: dict[str, Any]) -> dict[str, Any]:

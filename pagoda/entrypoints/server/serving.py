@@ -93,6 +93,11 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+def named_sse(event: dict[str, Any]) -> str:
+    """A server-sent event named by its `type` (the Responses and Messages APIs' streams)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they come, tagged with the prompt index."""
     if len(streams) == 1:

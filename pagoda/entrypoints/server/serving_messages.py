@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import APIError, anthropic_error_body
-from pagoda.entrypoints.server.serving import SentChoice, visible_text
+from pagoda.entrypoints.server.serving import SentChoice, named_sse, visible_text
 from pagoda.entrypoints.server.serving_chat import ChatServing
 from pagoda.outputs import CompletionOutput, RequestOutput
 
@@ -293,10 +293,8 @@ class MessagesServing:
                 result.append({"type": "message_stop"})
             return result
 
-        return s.sse_response(s.stream_events(request, queued, events, [start], None, frame=anthropic_event,
+        return s.sse_response(s.stream_events(request, queued, events, [start], None, frame=named_sse,
                                               error=anthropic_error_body, done=None))
 
 
 MESSAGES_PATH = "/v1/messages"
-def anthropic_event(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
