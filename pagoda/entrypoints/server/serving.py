@@ -93,6 +93,24 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+def text_of_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
+    """The text of a string or a list of text parts of the given `kinds` (images and files are not read by
+    this engine); ValueError naming the first part that is not text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of parts")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}: a {kind or 'malformed'} part where only text parts are read here")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 def named_sse(event: dict[str, Any]) -> str:
     """A server-sent event named by its `type` (the Responses and Messages APIs' streams)."""
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"

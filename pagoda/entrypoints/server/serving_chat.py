@@ -3,8 +3,9 @@ or streamed, with logprobs and tool calls (pagoda/tools); POST /v1/chat/completi
 ids."""
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 
@@ -12,7 +13,16 @@ from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import bad_request
 from pagoda.entrypoints.server.serving import SentChoice, Serving, chat_logprobs, visible_text
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.tools import choose_format, plan_tools, prepare_conversation, template_reads_tools
+from pagoda.sampling_params import SamplingParams
+from pagoda.tools import ToolPlan, choose_format, plan_tools, prepare_conversation, template_reads_tools
+
+
+class Started(NamedTuple):
+    """A conversation queued: its parameters, tool plan, prompt and the engine's queues for it."""
+    params: SamplingParams
+    plan: ToolPlan | None
+    prompt_ids: list[int]
+    queued: list[tuple[str, asyncio.Queue]]
 
 
 def _finish_reason(c: CompletionOutput, num_calls: int) -> str | None:
@@ -49,15 +59,22 @@ class ChatServing:
         prompt_ids = await self.s.chat_prompt(conversation, req.add_generation_prompt, template_tools)
         return self.s.rendered(P.random_id("chatcmpl"), prompt_ids, params, model, bool(req.stream), req.cache_salt)
 
-    async def create(self, req: P.ChatCompletionRequest, request: Request) -> Any:
+    async def start(self, req: P.ChatCompletionRequest, request: Request, base_id: str) -> Started:
+        """Check, compile, render and queue a conversation: what every chat-shaped route (chat completions,
+        Responses, Messages) does before it reads the outputs in its own shape."""
         s = self.s
-        model = s.check_model(req.model)
         params, plan, conversation, template_tools = self._prepare(req)
         s.check_capacity(1)
         await s.compile_constraint(params, request)
         prompt_ids = await s.chat_prompt(conversation, req.add_generation_prompt, template_tools)
-        base_id = P.random_id("chatcmpl")
         queued = await s.submit([prompt_ids], params, base_id, req, request)
+        return Started(params, plan, prompt_ids, queued)
+
+    async def create(self, req: P.ChatCompletionRequest, request: Request) -> Any:
+        s = self.s
+        model = s.check_model(req.model)
+        base_id = P.random_id("chatcmpl")
+        params, plan, _, queued = await self.start(req, request, base_id)
         n = params.n
         top_n = req.top_logprobs or 0
         tokenizer = s.tokenizer

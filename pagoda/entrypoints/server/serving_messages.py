@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import APIError, anthropic_error_body
-from pagoda.entrypoints.server.serving import SentChoice, named_sse, visible_text
+from pagoda.entrypoints.server.serving import SentChoice, named_sse, text_of_parts, visible_text
 from pagoda.entrypoints.server.serving_chat import ChatServing
 from pagoda.outputs import CompletionOutput, RequestOutput
 
@@ -77,20 +77,7 @@ class MessagesResponse(BaseModel):
 
 
 def _text_of(content: Any, where: str) -> str:
-    """The text of a string or a list of text blocks (images and documents are not read by this engine)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string or a list of content blocks")
-    parts = []
-    for block in content:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise ValueError(f"{where}: a {kind or 'malformed'} block where only text blocks are read here")
-        parts.append(block["text"])
-    return "".join(parts)
+    return text_of_parts(content, where, ("text",))
 
 
 def _conversation(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -249,12 +236,8 @@ class MessagesServing:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
         model = s.check_model(req.model)
-        params, plan, conversation, template_tools = self.chat._prepare(chat_req)
-        s.check_capacity(1)
-        await s.compile_constraint(params, request)
-        prompt_ids = await s.chat_prompt(conversation, True, template_tools)
         msg_id = P.random_id("msg")
-        queued = await s.submit([prompt_ids], params, msg_id, chat_req, request)
+        params, plan, prompt_ids, queued = await self.chat.start(chat_req, request, msg_id)
 
         if not req.stream:
             (out,) = await s.collect(request, queued)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import APIError
-from pagoda.entrypoints.server.serving import SentChoice, named_sse, visible_text
+from pagoda.entrypoints.server.serving import SentChoice, named_sse, text_of_parts, visible_text
 from pagoda.entrypoints.server.serving_chat import ChatServing
 from pagoda.outputs import CompletionOutput, RequestOutput
 
@@ -82,18 +82,7 @@ class ResponseStore:
 
 
 def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string or a list of parts")
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else "malformed"
-            raise ValueError(f"{where}: a {kind} part where only text parts are read here")
-        parts.append(part["text"])
-    return "".join(parts)
+    return text_of_parts(content, where, ("input_text", "output_text", "text"))
 
 
 def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -246,12 +235,8 @@ class ResponsesServing:
         s = self.s
         model = s.check_model(req.model)
         chat_req, messages = self._chat_request(req)
-        params, plan, conversation, template_tools = self.chat._prepare(chat_req)
-        s.check_capacity(1)
-        await s.compile_constraint(params, request)
-        prompt_ids = await s.chat_prompt(conversation, True, template_tools)
         rid, created = P.random_id("resp"), int(time.time())
-        queued = await s.submit([prompt_ids], params, rid, chat_req, request)
+        params, plan, prompt_ids, queued = await self.chat.start(chat_req, request, rid)
 
         def finish(c: CompletionOutput, output: list[dict[str, Any]]) -> dict[str, Any]:
             incomplete = "max_output_tokens" if c.finish_reason == "length" else None
