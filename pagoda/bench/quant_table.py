@@ -13,14 +13,15 @@ import json
 import os
 import sys
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagoda.bench.datasets import CORPUS_PATH, BenchRequest, load_corpus, synthetic_chat_requests
 
 DEFAULT_ROWS = ["float32", "bfloat16", "int8", "int4", "fp8", "gguf"]
 DEFAULT_TEXT = str(CORPUS_PATH)
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass
@@ -46,6 +47,8 @@ def parse_row(spec: str, model: str | None) -> RowSpec:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    import torch  # here: `--help` reads add_arguments without loading torch
+
     """Bytes of every weight the model holds (parameters, weight buffers, packed quantized weights),
     each storage counted once; the KV cache and RoPE tables are not weights, nor is the packed copy of a
     float weight (a Linear's matmul panels or oneDNN layout, a cache that float rows hold in addition)."""

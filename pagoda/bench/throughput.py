@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pagoda.bench.datasets import (
     BenchRequest,
     add_dataset_args,
@@ -27,7 +25,6 @@ from pagoda.bench.datasets import (
     seed_from_args,
     synthetic_chat_requests,
 )
-from pagoda.bench.roofline import Roofline, decode_weight_bytes, efficiency, measure_roofline, workload_flops
 from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
 from pagoda.sampling_params import SamplingParams
 
@@ -261,6 +258,10 @@ def _print_report(report: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: `--help` reads add_arguments without loading torch
+
+    from pagoda.bench.roofline import Roofline, decode_weight_bytes, efficiency, measure_roofline, workload_flops
+
     from pagoda import LLM
 
     load_at_start = os.getloadavg()[0]

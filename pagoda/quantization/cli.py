@@ -4,15 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from pagoda.quantization.pipeline import METHODS, QuantizeOptions, quantize_model
+from pagoda.quantization import CALIBRATION_METHODS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", choices=METHODS, default="awq")
+    p.add_argument("--method", choices=CALIBRATION_METHODS, default="awq")
     p.add_argument("--calib", default=None, help="calibration text file (needed by gptq and awq)")
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
@@ -29,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagoda.quantization.pipeline import QuantizeOptions, quantize_model
+
     opts = QuantizeOptions(method=args.method, group_size=args.group_size, act_order=args.act_order,
                            num_samples=args.num_samples, seq_len=args.seq_len, awq_clip=not args.no_awq_clip,
                            awq_gptq=args.awq_gptq,

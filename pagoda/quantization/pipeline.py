@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagoda.quantization import CALIBRATION_METHODS
 from pagoda.quantization.awq import awq_layer_quantizer, rtn_with_clip
 from pagoda.quantization.calibration import (
     decoder_layers,
@@ -19,7 +20,7 @@ from pagoda.quantization.checkpoint import write_checkpoint
 from pagoda.quantization.gptq import gptq_layer_quantizer
 from pagoda.quantization.int4_format import Int4Weight
 
-METHODS = ("rtn", "gptq", "awq")
+METHODS = CALIBRATION_METHODS
 
 
 @dataclass
