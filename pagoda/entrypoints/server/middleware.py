@@ -23,7 +23,7 @@ class APIKeyMiddleware:
             if not (secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
                     or secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
-                                          "x-api-key: KEY)", path=scope["path"])(
+                                          "x-api-key: KEY)", path=scope.get("path", ""))(
                     scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -44,7 +44,7 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         too_large = error_response(413, f"request body is larger than the server's limit of {self.max_bytes} "
-                                        "bytes (--max-request-body-bytes)", path=scope["path"])
+                                        "bytes (--max-request-body-bytes)", path=scope.get("path", ""))
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn itself refuses malformed ones
             await too_large(scope, receive, send)
@@ -57,7 +57,7 @@ class BodyLimitMiddleware:
                 message = await asyncio.wait_for(receive(), max(deadline - asyncio.get_running_loop().time(), 0))
             except TimeoutError:  # a client that declares more than it sends must not hold its slot forever
                 await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s",
-                                     path=scope["path"])(
+                                     path=scope.get("path", ""))(
                     scope, receive, send)
                 return
             if message["type"] == "http.disconnect":
