@@ -68,7 +68,7 @@ class Scheduler:
         self._yield_seats(seats, out)
         budget = self.config.max_num_batched_tokens
 
-        # 1) Decodes, oldest first; prompts under way wait for step 3.
+        # 1) Decodes, oldest first; prompts under way wait for step 2.
         prefilling: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:

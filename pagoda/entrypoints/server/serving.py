@@ -88,8 +88,17 @@ def visible_text(c: CompletionOutput, params: SamplingParams) -> str:
     return c.text[: max(0, len(c.text) - hold)]
 
 
+# Characters JSON leaves raw that many line readers (Python's str.splitlines among them) take for line ends:
+# escaped, so an event's data stays on one line whatever text a client sent or the model wrote.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _event_json(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else _event_json(payload)
     return f"data: {data}\n\n"
 
 
@@ -113,7 +122,7 @@ def text_of_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
 
 def named_sse(event: dict[str, Any]) -> str:
     """A server-sent event named by its `type` (the Responses and Messages APIs' streams)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\ndata: {_event_json(event)}\n\n"
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
