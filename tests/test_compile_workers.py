@@ -29,9 +29,17 @@ def manager(tokenizer, **kw) -> StructuredOutputManager:
     return StructuredOutputManager(tokenizer, VOCAB, StructuredOutputsConfig(backend="xgrammar", **kw))
 
 
-def _workers(m: StructuredOutputManager) -> list[psutil.Process]:
-    return [c for c in psutil.Process().children() if "pagoda-grammar" in " ".join(c.cmdline()) or
-            c.pid in {w.proc.pid for w in m._workers._all}]  # type: ignore[union-attr]
+def _gone(pid: int, within: float) -> bool:
+    """Whether process `pid` ends within `within` seconds (the compile thread reaps it, not this one)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _accepts(m: StructuredOutputManager, compiled, tokenizer, text: str) -> bool:
@@ -58,7 +66,7 @@ def test_a_compile_past_its_time_is_killed_and_the_next_one_gets_a_new_worker(to
         t0 = time.monotonic()
         with pytest.raises(CompileBudgetError, match="within 0.5 s.*--structured-outputs-compile-timeout"):
             m.compile(SLOW).result(60)
-        assert time.monotonic() - t0 < 3 and not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        assert time.monotonic() - t0 < 3 and _gone(pid, 1)
         with pytest.raises(CompileBudgetError):  # a failure stays cached: sending it again costs nothing
             m.compile(SLOW).result(0.1)
         assert m.compile(StructuredOutputsParams(regex="[0-9]+")).result(60) is not None
@@ -81,10 +89,12 @@ def test_cancelling_a_compile_kills_its_worker_and_closing_fails_the_rest(tokeni
         m.compile(SCHEMA).result(60)
         (worker,) = m._workers._all  # type: ignore[union-attr]
         fut = m.compile(SLOW)
-        time.sleep(0.3)
+        time.sleep(1.0)  # sent to the worker (a compile cancelled before that never reaches a worker)
+        deadline = time.monotonic() + 30
+        while psutil.Process(worker.proc.pid).cpu_percent(0.1) < 50:  # the worker is compiling it
+            assert time.monotonic() < deadline, "the worker never started the compile"
         assert fut.cancel()  # still cancellable while it compiles
-        worker.proc.join(3)
-        assert not worker.proc.is_alive()
+        assert _gone(worker.proc.pid, 10)
         pending = m.compile(SLOW)  # compiled again (a cancelled entry is not kept)
         time.sleep(0.3)
         m.close()

@@ -5,16 +5,14 @@ minutes or grow without end, and a thread running it can only be waited for. A s
 worker processes of its own, and kills the one whose compile runs past its time limit, grows past its memory
 limit, or is no longer wanted (its clients left, the server stops). The compiled grammar comes back as the
 library's own serialized form (backend.compile_serialized / deserialize), never as a pickle. A killed worker
-is replaced on the next compile; a worker dies with the server (PR_SET_PDEATHSIG).
+is replaced on the next compile; a worker exits when the server's process is gone.
 """
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import logging
 import multiprocessing as mp
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,17 +54,21 @@ class WorkerSpec:
     stop_token_ids: tuple[int, ...]
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit as soon as the parent process is gone, even in the middle of a compile. (PR_SET_PDEATHSIG would
+    fire when the parent's *thread* that started this process ends, and compiles start from passing threads.)"""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagoda-grammar-parent-watch", daemon=True).start()
 
 
 def _worker_main(conn: Connection, spec: WorkerSpec, parent_pid: int) -> None:
     """Compile what the parent sends, one at a time: ("start", rss) once the backend is built (the memory the
     compile itself adds is measured from there), then ("ok", text) or ("error", message)."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:
-        return
+    _die_with_parent(parent_pid)
     from tokenizers import Tokenizer
 
     from pagoda.structured.backend import make_backend
@@ -102,16 +104,24 @@ class _Worker:
         child.close()
         self._ps = psutil.Process(self.proc.pid)
         self.closed = False  # killed by CompileWorkers.close: its compile is cancelled, not failed
+        self._kill_lock = threading.Lock()
+        self._killed = False
 
     @property
     def alive(self) -> bool:
         return self.proc.is_alive()
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-        self.conn.close()
+        """Idempotent, and safe from two threads at once (the compile's own and CompileWorkers.close)."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+            with contextlib.suppress(OSError):
+                self.conn.close()
 
     def _died(self, params: StructuredOutputsParams) -> NoReturn:
         self.kill()
