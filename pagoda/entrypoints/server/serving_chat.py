@@ -15,6 +15,7 @@ from pagoda.entrypoints.server.serving import SentChoice, Serving, chat_logprobs
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tools import ToolPlan, choose_format, plan_tools, prepare_conversation, template_reads_tools
+from pagoda.tools.parser import ToolCallStream
 
 
 class Started(NamedTuple):
@@ -23,6 +24,23 @@ class Started(NamedTuple):
     plan: ToolPlan | None
     prompt_ids: list[int]
     queued: list[tuple[str, asyncio.Queue]]
+
+
+def next_delta(c: CompletionOutput, params: SamplingParams, sent: SentChoice,
+               calls: ToolCallStream | None) -> tuple[dict[str, Any], bool] | None:
+    """What the one choice `c` adds since the last call, as a chat delta (text, or tool calls as each becomes
+    certain), and whether it finished; None once it has. The Responses and Messages streams reshape this."""
+    if sent.done:
+        return None
+    text = visible_text(c, params)
+    finished = c.finish_reason is not None
+    if calls is None:
+        new = text[sent.text:]
+        delta: dict[str, Any] = {"content": new} if new else {}
+    else:
+        delta = calls.update(text, finished)
+    sent.advance(text, len(c.token_ids), finished)
+    return delta, finished
 
 
 def _finish_reason(c: CompletionOutput, num_calls: int) -> str | None:

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import APIError, anthropic_error_body
-from pagoda.entrypoints.server.serving import SentChoice, named_sse, text_of_parts, visible_text
-from pagoda.entrypoints.server.serving_chat import ChatServing
+from pagoda.entrypoints.server.serving import SentChoice, named_sse, text_of_parts
+from pagoda.entrypoints.server.serving_chat import ChatServing, next_delta
 from pagoda.outputs import CompletionOutput, RequestOutput
 
 
@@ -256,16 +256,10 @@ class MessagesServing:
 
         def events(_: int, out: RequestOutput) -> list[dict[str, Any]]:
             c = out.outputs[0]
-            if sent.done:
+            step = next_delta(c, params, sent, calls_stream)
+            if step is None:
                 return []
-            text = visible_text(c, params)
-            finished = c.finish_reason is not None
-            if calls_stream is None:
-                new = text[sent.text:]
-                delta: dict[str, Any] = {"content": new} if new else {}
-            else:
-                delta = calls_stream.update(text, finished)
-            sent.advance(text, len(c.token_ids), finished)
+            delta, finished = step
             result = blocks.update(delta)
             if finished:
                 stop_reason, stop_sequence = _stop(c, calls_stream.num_calls if calls_stream is not None else 0)

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import APIError
-from pagoda.entrypoints.server.serving import SentChoice, named_sse, text_of_parts, visible_text
-from pagoda.entrypoints.server.serving_chat import ChatServing
+from pagoda.entrypoints.server.serving import SentChoice, named_sse, text_of_parts
+from pagoda.entrypoints.server.serving_chat import ChatServing, next_delta
 from pagoda.outputs import CompletionOutput, RequestOutput
 
 MAX_STORED_RESPONSES = 1024
@@ -294,12 +294,10 @@ class ResponsesServing:
 
         def events_of(_: int, out: RequestOutput) -> list[dict[str, Any]]:
             c = out.outputs[0]
-            if sent.done:
+            step = next_delta(c, params, sent, calls_stream)
+            if step is None:
                 return []
-            text = visible_text(c, params)
-            finished = c.finish_reason is not None
-            delta = {"content": text[sent.text:]} if calls_stream is None else calls_stream.update(text, finished)
-            sent.advance(text, len(c.token_ids), finished)
+            delta, finished = step
             events: list[dict[str, Any]] = []
             if delta.get("content"):
                 if not current or current["item"]["type"] != "message":
