@@ -96,11 +96,17 @@ class CacheConfig:
         return min(bytes_per_block * blocks_wanted, cap)
 
 
+SCHEDULING_POLICIES = ("priority", "fcfs")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None = the model's context length
+    # priority: requests are served by their `priority` (lower first, as in vLLM), and a waiting request
+    # takes the seat and blocks of a running one of a higher value; fcfs: the field is ignored.
+    policy: str = "priority"
 
 
 @dataclass
@@ -130,6 +136,42 @@ class StructuredOutputsConfig:
             value = parse_memory(getattr(self, name))
             if value is not None and value <= 0:
                 raise ValueError(f"structured_outputs_{name} must be positive")
+
+
+@dataclass
+class PoolingConfig:
+    """The pooling runner (embeddings, scores) and its dynamic batcher (engine/pooling_batcher.py): requests
+    wait up to max_queue_delay_ms for others to share a forward, which takes at most max_num_seqs sequences
+    and max_num_batched_tokens tokens (one longer sequence runs alone)."""
+
+    model: str | None = None  # None: the embedded all-MiniLM-L6-v2
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's limit (sentence-transformers' max_seq_length)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_queue_delay_ms: float = 2.0
+    cpus: str | None = None
+    threads: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kw: Any) -> "PoolingConfig":
+        """Build from the same keyword arguments as EngineConfig; those a pooling model has no use for
+        (KV cache, speculation, ...) are ignored."""
+        cfg = cls(model=model, **{k: v for k, v in kw.items() if k in cls.__dataclass_fields__ and v is not None})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        resolve_dtype(self.dtype)
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 <= self.max_queue_delay_ms < float("inf"):
+            raise ValueError("max_queue_delay_ms must be a non-negative number of milliseconds")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        from pagoda.cpus import resolve
+
+        resolve(self.cpus, self.threads)
 
 
 @dataclass
@@ -169,22 +211,28 @@ class EngineConfig:
         """Build from vLLM-style flat keyword arguments (dtype=, block_size=, ...)."""
         cache_keys = {"block_size", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
+        policy_keys = {"scheduling_policy"}
         structured_keys = {f"structured_outputs_{f}" for f in StructuredOutputsConfig.__dataclass_fields__}
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
                     "quantization_group_size", "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size",
                     "cpus", "threads"}
-        unknown = set(kw) - cache_keys - sched_keys - structured_keys - top_keys
+        unknown = set(kw) - cache_keys - sched_keys - policy_keys - structured_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         cfg = cls(model=model, **{k: v for k, v in kw.items() if k in top_keys and v is not None})
         cfg.cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_keys and v is not None})
         cfg.scheduler = SchedulerConfig(**{k: v for k, v in kw.items() if k in sched_keys and v is not None})
+        if kw.get("scheduling_policy") is not None:
+            cfg.scheduler.policy = kw["scheduling_policy"]
         cfg.structured = StructuredOutputsConfig(**{k.removeprefix("structured_outputs_"): v for k, v in kw.items()
                                                     if k in structured_keys and v is not None})
         if cfg.cache.block_size <= 0:
             raise ValueError("block_size must be positive")
         if cfg.scheduler.max_num_seqs <= 0 or cfg.scheduler.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if cfg.scheduler.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {cfg.scheduler.policy!r}")
         cfg.validate()
         return cfg
 

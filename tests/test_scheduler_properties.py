@@ -44,6 +44,11 @@ class Simulator:
         """One engine step; returns sequences that finished."""
         kv, bs = self.kv, self.kv.block_size
         out = self.sched.schedule()
+        rank = self.sched.rank
+        ranks = [rank(s) for s in self.sched.running]
+        assert ranks == sorted(ranks), "running is out of rank order"
+        for victim in out.preempted + out.yielded:  # victims are the highest rank (the lowest priority) running
+            assert all(rank(s) <= rank(victim) for s in self.sched.running), "a higher priority was preempted"
         for src, dst in out.block_copies:
             for off in range(bs):
                 if (src, off) in self.content:
@@ -95,17 +100,18 @@ PREFIXES = [list(range(100, 140)), list(range(200, 213)), [7] * 9]
 # Tails from a tiny alphabet: equal blocks at different positions must still not share KV.
 request_spec = st.tuples(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1, max_size=30),
                          st.integers(1, 30), st.integers(1, 3),
-                         st.booleans(), st.integers(0, 20), st.sampled_from([None, "a", "b"]))
+                         st.booleans(), st.integers(0, 20), st.sampled_from([None, "a", "b"]), st.integers(0, 2))
 
 
 @settings(max_examples=60, deadline=None)
 @given(specs=st.lists(request_spec, min_size=1, max_size=12), num_blocks=st.integers(12, 40),
        block_size=st.sampled_from([1, 2, 4, 16]), budget=st.integers(1, 64), max_seqs=st.integers(1, 8),
-       prefix_caching=st.booleans(), window=st.sampled_from([None, 1, 5, 16]))
+       prefix_caching=st.booleans(), window=st.sampled_from([None, 1, 5, 16]),
+       policy=st.sampled_from(["priority", "fcfs"]))
 def test_random_workloads_finish_without_leaks_or_wrong_kv(specs, num_blocks, block_size, budget, max_seqs,
-                                                           prefix_caching, window):
+                                                           prefix_caching, window, policy):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, sliding_window=window)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy), kv)
     sim = Simulator(kv, sched)
     pending = list(specs)
     live: list[Sequence] = []
@@ -114,13 +120,13 @@ def test_random_workloads_finish_without_leaks_or_wrong_kv(specs, num_blocks, bl
         step += 1
         assert step < 5000, "no progress"
         if pending and step % 2:  # arrivals interleave with steps
-            shared, tail, out_len, n, abort, abort_at, salt = pending.pop(0)
+            shared, tail, out_len, n, abort, abort_at, salt, priority = pending.pop(0)
             prompt = (PREFIXES[shared] if shared < len(PREFIXES) else []) + tail
             if kv.blocks_needed(len(prompt) + out_len) > num_blocks:
                 continue  # the engine rejects these at admission
             # Three clients, so seats also move between them (the scheduler's fairness rule).
             req = Request(str(step), None, prompt, SamplingParams(n=n), out_len, cache_salt=salt,
-                          client=f"c{len(pending) % 3}")
+                          client=f"c{len(pending) % 3}", priority=priority)
             req.abort_at = abort_at if abort else None  # type: ignore[attr-defined]
             seq = sim.new_seq(req, prompt, 0)
             sched.add(seq)

@@ -3,12 +3,14 @@
 A sequence belongs to a client (the server names it from the request's `user`, else the peer's address; a
 request without one is its own client) and to a request (its `n` samples are its sequences). Fairness
 compares clients first and, within one client, requests: the fewer seats a group holds, the sooner it is
-served. The rule that uses this lives in the scheduler; this file only counts and orders.
+served. Above both stands the sequence's rank (its request's priority under `--scheduling-policy priority`,
+else 0 for all): a lower rank is served first, whatever the seats. The rule that uses this lives in the
+scheduler; this file only counts and orders.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagoda.core.request import Sequence
@@ -50,13 +52,18 @@ class Seats:
         return hr != wr and self.by_request[hr] > self.by_request[wr] + 1
 
 
-class WaitingQueue:
-    """Waiting sequences, per client and within a client per request, in arrival order. `fairest` is the head
-    of the request with the fewest seats of the client with the fewest seats (ties: the earlier); a preempted
-    sequence goes back to the head of its request's queue. Iteration is in (client, request, position) order."""
+Clients = OrderedDict[str, OrderedDict[str, deque[Sequence]]]
 
-    def __init__(self) -> None:
-        self._clients: OrderedDict[str, OrderedDict[str, deque[Sequence]]] = OrderedDict()
+
+class WaitingQueue:
+    """Waiting sequences, per rank, within a rank per client, and within a client per request, in arrival
+    order. `fairest` is, among the lowest rank waiting, the head of the request with the fewest seats of the
+    client with the fewest seats (ties: the earlier); a preempted sequence goes back to the head of its
+    request's queue. Iteration is in (rank, client, request, position) order."""
+
+    def __init__(self, rank: Callable[[Sequence], int] = lambda seq: 0) -> None:
+        self.rank = rank
+        self._levels: dict[int, Clients] = {}
         self._len = 0
 
     def __len__(self) -> int:
@@ -66,43 +73,49 @@ class WaitingQueue:
         return self._len > 0
 
     def __iter__(self) -> Iterator[Sequence]:
-        for requests in self._clients.values():
-            for seqs in requests.values():
-                yield from seqs
+        for level in sorted(self._levels):
+            for requests in self._levels[level].values():
+                for seqs in requests.values():
+                    yield from seqs
 
     def __contains__(self, seq: object) -> bool:
         if not isinstance(seq, Sequence):
             return False
-        seqs = self._clients.get(client_of(seq), {}).get(seq.request.request_id)
+        clients = self._levels.get(self.rank(seq), {})
+        seqs = clients.get(client_of(seq), {}).get(seq.request.request_id)
         return seqs is not None and seq in seqs
 
     def append(self, seq: Sequence) -> None:
-        self._queue(seq).append(seq)
+        self._requests(seq).setdefault(seq.request.request_id, deque()).append(seq)
         self._len += 1
 
     def appendleft(self, seq: Sequence) -> None:
-        requests = self._clients.setdefault(client_of(seq), OrderedDict())
+        requests = self._requests(seq)
         requests.setdefault(seq.request.request_id, deque()).appendleft(seq)
         requests.move_to_end(seq.request.request_id, last=False)
         self._len += 1
 
     def remove(self, seq: Sequence) -> None:
-        client, rid = client_of(seq), seq.request.request_id
-        requests = self._clients[client]
+        level, client, rid = self.rank(seq), client_of(seq), seq.request.request_id
+        clients = self._levels[level]
+        requests = clients[client]
         requests[rid].remove(seq)
         self._len -= 1
         if not requests[rid]:
             del requests[rid]
             if not requests:
-                del self._clients[client]
+                del clients[client]
+                if not clients:
+                    del self._levels[level]
 
     def fairest(self, seats: Seats) -> Sequence | None:
-        if not self._clients:
+        if not self._levels:
             return None
-        client = min(self._clients, key=lambda c: seats.by_client[c])  # min keeps the first of equals
-        requests = self._clients[client]
+        clients = self._levels[min(self._levels)]
+        client = min(clients, key=lambda c: seats.by_client[c])  # min keeps the first of equals
+        requests = clients[client]
         return requests[min(requests, key=lambda r: seats.by_request[r])][0]
 
-    def _queue(self, seq: Sequence) -> deque[Sequence]:
-        requests = self._clients.setdefault(client_of(seq), OrderedDict())
-        return requests.setdefault(seq.request.request_id, deque())
+    def _requests(self, seq: Sequence) -> OrderedDict[str, deque[Sequence]]:
+        clients = self._levels.setdefault(self.rank(seq), OrderedDict())
+        return clients.setdefault(client_of(seq), OrderedDict())

@@ -77,6 +77,7 @@ class Request:
     aborted: bool = False
     cache_salt: str | None = None   # isolates this tenant's prefix cache entries
     client: str | None = None       # whose share of the seats it takes (core/fairness.py); None = its own
+    priority: int = 0               # served before higher values under the priority scheduling policy
     stop_ids: set[int] = field(default_factory=set)  # token ids that end a sequence (EOS unless ignored)
     error: str | None = None        # set when the engine failed this request (finish_reason "error")
     error_status: int = 500         # 400: the request's own fault (its constraint); 500: the engine's

@@ -3,16 +3,24 @@
 Every running sequence is scheduled for the tokens it still needs (num_tokens - num_computed_tokens, plus
 any speculative proposals to verify), within a per-step token budget and a sequence cap. A decode needs one
 token; a prompt gets a chunk. That yields chunked prefill and mixed prefill/decode steps, as in vLLM v1. When
-the pool runs dry, the newest running sequence is preempted (KV dropped, recomputed later).
+the pool runs dry, the newest running sequence (of the highest rank, below) is preempted (KV dropped, recomputed later).
 
 Fairness (core/fairness.py): the budget goes to decodes first, then to prompts, those under way and new ones
 together, shortest remaining first: a short prompt gets its first token within a step or two however long
-the prompts around it are, and a burst of prompts finishes them one after another rather than all at once. Seats go to the client holding fewest (then, within a client, the request): while
-someone waits and the seats are full, a client or request holding two more seats than the waiter yields its
-newest one. One client, or one request's `n`, can hold every seat only while nobody else wants one.
+the prompts around it are, and a burst of prompts finishes them one after another rather than all at once.
+Seats go to the client holding fewest (then, within a client, the request): while someone waits and the
+seats are full, a client or request holding two more seats than the waiter yields its newest one. One client,
+or one request's `n`, can hold every seat only while nobody else wants one.
+
+Priority (`--scheduling-policy priority`, vLLM's rule): a sequence's rank is its request's priority, lower
+first (under fcfs every rank is 0 and nothing below changes). Ranks stand above everything else: the waiting
+queue serves the lowest rank first, `running` is kept in rank order so decodes are served and victims taken
+from its end (the newest of the highest rank), and a waiter of a lower rank than the last running sequence
+takes its seat, and its blocks, when either is short.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -46,9 +54,13 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting = WaitingQueue()
-        self.running: list[Sequence] = []
+        self.waiting = WaitingQueue(self.rank)
+        self.running: list[Sequence] = []  # in rank order, then in order of admission
         self.num_preemptions = 0
+
+    def rank(self, seq: Sequence) -> int:
+        """Who is served first: a lower rank. The request's priority under the priority policy, else 0."""
+        return seq.request.priority if self.config.policy == "priority" else 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -57,7 +69,11 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins right behind its parent's KV (it shares the parent's blocks)."""
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._run(seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Join `running` behind every sequence of its rank or lower."""
+        self.running.insert(bisect.bisect_right(self.running, self.rank(seq), key=self.rank), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,8 +107,9 @@ class Scheduler:
             i += 1
 
         # 2) Prompts: those under way and the waiting ones the free seats go to (fairest first; never past a
-        # preemption for want of blocks), shortest remaining first, so a short prompt's first token never waits
-        # behind a long one, and a prompt cut by the last step's budget finishes before new ones start.
+        # preemption for want of blocks), by rank, then shortest remaining first, so a short prompt's first
+        # token never waits behind a long one, and a prompt cut by the last step's budget finishes before new
+        # ones start.
         newcomers: list[Sequence] = []
         while not out.preempted and len(self.running) + len(newcomers) < self.config.max_num_seqs:
             seq = self.waiting.fairest(seats)
@@ -102,7 +119,8 @@ class Scheduler:
             seats.take(seq)
             newcomers.append(seq)
         admitting = bool(newcomers)
-        for seq in sorted(prefilling + newcomers, key=lambda s: (s.num_tokens - s.num_computed_tokens, s.seq_id)):
+        for seq in sorted(prefilling + newcomers,
+                          key=lambda s: (self.rank(s), s.num_tokens - s.num_computed_tokens, s.seq_id)):
             if budget <= 0:
                 break
             if seq.status is SeqStatus.RUNNING:  # under way
@@ -145,7 +163,7 @@ class Scheduler:
             self.kv.stats.hits += num_cached
             seq.num_cached_tokens = num_cached
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._run(seq)
         return True
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput, seats: Seats) -> bool:
@@ -161,21 +179,35 @@ class Scheduler:
         return True
 
     def _yield_seats(self, seats: Seats, out: SchedulerOutput) -> None:
-        """While the seats are full and the fairest waiter's group holds two fewer than the group holding
-        most, that group's newest sequence goes back to waiting (its KV is recomputed, from the prefix cache
-        where it can): one seat per round, so the gap narrows and never swings back."""
-        while len(self.running) >= self.config.max_num_seqs:
-            waiter = self.waiting.fairest(seats)
-            if waiter is None:
-                return
-            holder = max(reversed(self.running), key=lambda s: (seats.by_client[client_of(s)],
-                                                                 seats.by_request[s.request.request_id]))
-            if not seats.owes(holder, waiter):
+        """Seats (and blocks) handed to the fairest waiter, one sequence per round, back to waiting (its KV is
+        recomputed, from the prefix cache where it can): the newest running sequence of a higher rank than the
+        waiter's when the seats are full or the pool cannot hold the waiter's first chunk; else, with the
+        seats full, the newest of the group holding two more seats than the waiter's, in the waiter's rank,
+        so the gap narrows and never swings back."""
+        full = lambda: len(self.running) >= self.config.max_num_seqs  # noqa: E731
+        while self.running and (waiter := self.waiting.fairest(seats)) is not None:
+            rank = self.rank(waiter)
+            if self.rank(self.running[-1]) > rank and (full() or not self._fits(waiter)):
+                holder = self.running[-1]
+            elif full():
+                peers = [s for s in reversed(self.running) if self.rank(s) == rank]
+                if not peers:
+                    return
+                holder = max(peers, key=lambda s: (seats.by_client[client_of(s)],
+                                                   seats.by_request[s.request.request_id]))
+                if not seats.owes(holder, waiter):
+                    return
+            else:
                 return
             self.running.remove(holder)
             seats.give(holder)
             self._preempt(holder)
             out.yielded.append(holder)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether the free blocks hold `seq`'s first chunk (cached prefix blocks not counted)."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, self.config.max_num_batched_tokens)
+        return self.kv.pool.num_free >= self.kv.blocks_needed(num_new)
 
     def _acquire_cached_prefix(self, seq: Sequence) -> int:
         """Reuse cached KV for a sequence that has none yet (new, or preempted and recomputing)."""

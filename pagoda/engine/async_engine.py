@@ -80,6 +80,7 @@ class AddRequest:
     accepted: asyncio.Future
     cache_salt: str | None = None
     client: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -185,7 +186,8 @@ class AsyncEngine:
         return (await self.add_requests([(prompt, rid)], params, cache_salt))[0]
 
     async def add_requests(self, prompts: list[tuple[str | list[int], str]], params: SamplingParams,
-                           cache_salt: str | None = None, client: str | None = None) -> list[tuple[str, asyncio.Queue]]:
+                           cache_salt: str | None = None, client: str | None = None,
+                           priority: int = 0) -> list[tuple[str, asyncio.Queue]]:
         """Queue every (prompt, request id) at once, in one hand-off to the worker (which adds them all before
         its next step), or none: where one is refused, the others are aborted and its error is raised.
         Cancelled (the client left), every one of them is aborted."""
@@ -196,7 +198,7 @@ class AsyncEngine:
         # Validation reads every token id: off the event loop, before anything is queued.
         processed = await asyncio.to_thread(lambda: [self.input_processor.process(p, params) for p, _ in prompts])
         loop = asyncio.get_running_loop()
-        adds = [AddRequest(proc, rid, _Stream(loop), loop.create_future(), cache_salt, client)
+        adds = [AddRequest(proc, rid, _Stream(loop), loop.create_future(), cache_salt, client, priority)
                 for proc, (_, rid) in zip(processed, prompts)]
         with self._cond:
             # Checked again under the lock: a worker dying after the check above must not strand these adds.
@@ -308,7 +310,8 @@ class AsyncEngine:
         for cmd in commands:
             if isinstance(cmd, AddRequest):
                 try:
-                    req = self.engine.add_processed(cmd.processed, cmd.request_id, cmd.cache_salt, cmd.client)
+                    req = self.engine.add_processed(cmd.processed, cmd.request_id, cmd.cache_salt, cmd.client,
+                                                   cmd.priority)
                 except Exception as e:  # ValueError for bad input: the caller gets it
                     self._reject(cmd, e)
                     continue

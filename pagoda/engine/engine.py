@@ -115,15 +115,17 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    client: str | None = None) -> Request:
+                    client: str | None = None, priority: int = 0) -> Request:
         """Validate (the input processor) and queue a request. Raises ValueError for anything that can never run."""
-        return self.add_processed(self.input_processor.process(prompt, params), request_id, cache_salt, client)
+        return self.add_processed(self.input_processor.process(prompt, params), request_id, cache_salt, client,
+                                  priority)
 
     def add_processed(self, processed: ProcessedRequest, request_id: str | None = None,
-                      cache_salt: str | None = None, client: str | None = None) -> Request:
+                      cache_salt: str | None = None, client: str | None = None, priority: int = 0) -> Request:
         """Queue a request the input processor has checked. Raises ValueError where this engine's KV pool can
         never hold it or its id is in use. `client` names whose fair share of the seats it takes (the
-        scheduler's rule); None makes it its own."""
+        scheduler's rule); None makes it its own. `priority` orders it among others under the priority
+        scheduling policy, lower first."""
         ids, params, max_tokens = processed.prompt_token_ids, processed.params, processed.max_tokens
         need = self.kv.max_blocks_held(len(ids) + max_tokens, self.config.scheduler.max_num_batched_tokens)
         if need > self.kv.pool.num_blocks:
@@ -133,7 +135,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, processed.prompt, ids, params, max_tokens, cache_salt=cache_salt, client=client,
-                      stop_ids=self.outputs.stop_ids(params))
+                      priority=priority, stop_ids=self.outputs.stop_ids(params))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))

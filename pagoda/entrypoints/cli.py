@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage dtype (default auto = the compute dtype)")
     if decoding:
+        p.add_argument("--scheduling-policy", default=None, choices=["priority", "fcfs"],
+                       help="priority (default): requests go by their `priority` field, lower first, and may take a "
+                            "running request's seat; fcfs: the field is ignored")
         p.add_argument("--speculative-config", type=_json_object, default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                             "(default: none)")
@@ -101,7 +104,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
-            "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
+            "scheduling_policy", "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
             "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
             "int4_activations", "kernel_tuning", "tensor_parallel_size", "cpus", "threads",
             "structured_outputs_compile_workers",

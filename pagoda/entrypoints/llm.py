@@ -31,8 +31,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids or {"prompt_token_ids": [...]}) in one batch run."""
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids or {"prompt_token_ids": [...]}) in one batch run.
+        `priority`, one per prompt, orders them under the priority scheduling policy (lower first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -42,16 +43,19 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompt_list):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError("priority must give one value per prompt")
         for p in {id(p): p for p in params}.values():  # a constraint that cannot compile is a ValueError
             self.engine.input_processor.compile_structured(p)
         ids = []
         try:
-            for prompt, p in zip(prompt_list, params):
+            for prompt, p, rank in zip(prompt_list, params, priorities):
                 salt = None
                 if isinstance(prompt, dict):  # {"prompt" | "prompt_token_ids": ..., "cache_salt": ...}
                     salt = prompt.get("cache_salt")
                     prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-                ids.append(self.engine.add_request(prompt, p, cache_salt=salt).request_id)
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt, priority=rank).request_id)
         except Exception:
             for rid in ids:  # leave the engine as we found it
                 self.engine.abort_request(rid)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
@@ -17,6 +17,8 @@ from pagoda.structured.params import StructuredOutputsParams
 from pagoda.tools import ToolRequest, parse_tools
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+# vLLM's `priority`: under --scheduling-policy priority a lower value is served first. Bounded to 32 bits.
+Priority = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]
 
 
 def random_id(prefix: str) -> str:
@@ -68,6 +70,7 @@ class _SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     cache_salt: str | None = None  # keeps this tenant's prefix-cache entries apart
+    priority: Priority = 0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

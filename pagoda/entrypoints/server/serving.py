@@ -276,7 +276,7 @@ class Serving:
         leaves meanwhile (`request`) has them all aborted."""
         ids = [(prompt, base_id if len(prompts) == 1 else f"{base_id}-{i}") for i, prompt in enumerate(prompts)]
         adding = asyncio.create_task(self.engine.add_requests(ids, params, body.cache_salt,
-                                                              fair_share_client(body, request)))
+                                                              fair_share_client(body, request), body.priority))
         gone = asyncio.create_task(_until_disconnected(request))
         try:
             done, _ = await asyncio.wait({adding, gone}, return_when=asyncio.FIRST_COMPLETED)

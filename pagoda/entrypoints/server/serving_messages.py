@@ -35,6 +35,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    priority: P.Priority = 0  # not Anthropic's: vLLM's extra, as on every generation route
 
     def chat_request(self) -> P.ChatCompletionRequest:
         """The same request in the chat route's shape; ValueError (a 400) for what it cannot say."""
@@ -45,7 +46,7 @@ class MessagesRequest(BaseModel):
             stop=self.stop_sequences, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             tools=tools, tool_choice=_tool_choice(self.tool_choice, tools),
             parallel_tool_calls=not (self.tool_choice or {}).get("disable_parallel_tool_use", False),
-            user=str(user) if user is not None else None)
+            user=str(user) if user is not None else None, priority=self.priority)
 
 
 class CountTokensRequest(BaseModel):

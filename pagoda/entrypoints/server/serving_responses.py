@@ -45,6 +45,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    priority: P.Priority = 0  # vLLM's extra, as on every generation route
 
 
 @dataclass
@@ -201,7 +202,7 @@ class ResponsesServing:
                 model=req.model, messages=messages, max_tokens=req.max_output_tokens, temperature=req.temperature,
                 top_p=req.top_p, tools=_chat_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
                 parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text),
-                user=req.user)
+                user=req.user, priority=req.priority)
         except ValueError as e:
             raise APIError(400, str(e), "input") from e
         return chat_req, messages

@@ -1,0 +1,95 @@
+"""The priority policy: lower `priority` first in the waiting queue, and a waiter of higher priority takes the
+seat or the KV blocks of the newest running sequence of lower priority (vLLM's rule); fcfs ignores it."""
+from __future__ import annotations
+
+import itertools
+
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, Sequence
+from pagoda.core.scheduler import Scheduler
+from pagoda.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make(prompt_len: int, priority: int = 0, client: str | None = None) -> Request:
+    req = Request(f"r{next(_ids)}", None, list(range(1, prompt_len + 1)), SamplingParams(), 64, client=client,
+                  priority=priority)
+    req.seqs.append(Sequence(next(_ids), req, 0, list(req.prompt_token_ids), prompt_len))
+    return req
+
+
+def scheduler(policy: str, max_seqs: int = 4, budget: int = 64, blocks: int = 256) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
+                     KVCacheManager(blocks, 4, enable_prefix_caching=False))
+
+
+def run(sched: Scheduler, steps: int = 1) -> None:
+    for _ in range(steps):
+        out = sched.schedule()
+        for seq, n in zip(out.seqs, out.num_scheduled):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(7)
+
+
+def fill(sched: Scheduler, count: int, priority: int) -> list[Request]:
+    reqs = [make(8, priority, client=f"bulk{i}") for i in range(count)]
+    for r in reqs:
+        sched.add(r.seqs[0])
+    run(sched, 2)
+    return reqs
+
+
+def test_a_higher_priority_waiter_takes_the_newest_lower_priority_seat():
+    sched = scheduler("priority")
+    bulk = fill(sched, 4, priority=10)
+    urgent = make(8, priority=0)
+    sched.add(urgent.seqs[0])
+    out = sched.schedule()
+    assert out.yielded == [bulk[3].seqs[0]]
+    assert urgent.seqs[0] in out.seqs and out.num_scheduled[out.seqs.index(urgent.seqs[0])] == 8
+    assert sched.running[0] is urgent.seqs[0]  # served first from now on
+
+
+def test_a_lower_priority_waiter_never_takes_a_seat():
+    sched = scheduler("priority")
+    fill(sched, 4, priority=0)
+    late = make(8, priority=5, client="other")
+    sched.add(late.seqs[0])
+    run(sched, 3)
+    assert sched.num_preemptions == 0 and late.seqs[0] in sched.waiting
+
+
+def test_a_higher_priority_waiter_takes_blocks_when_the_pool_is_short():
+    sched = scheduler("priority", max_seqs=8, blocks=10)  # 4 tokens a block
+    bulk = fill(sched, 3, priority=1)  # 3 blocks each (10 tokens): one block left, the newcomer needs 2
+    assert sched.num_preemptions == 0 and sched.kv.pool.num_free == 1
+    urgent = make(8, priority=0)
+    sched.add(urgent.seqs[0])
+    out = sched.schedule()
+    assert bulk[2].seqs[0] in out.yielded and urgent.seqs[0] in out.seqs
+
+
+def test_the_waiting_queue_serves_lower_priority_values_first():
+    sched = scheduler("priority", max_seqs=1)
+    low, high = make(8, priority=3), make(8, priority=-1)
+    sched.add(low.seqs[0])
+    sched.add(high.seqs[0])
+    out = sched.schedule()
+    assert out.seqs == [high.seqs[0]]
+
+
+def test_fcfs_ignores_priority():
+    sched = scheduler("fcfs")
+    fill(sched, 4, priority=10)
+    urgent = make(8, priority=0)
+    sched.add(urgent.seqs[0])
+    out = sched.schedule()
+    assert not out.yielded and urgent.seqs[0] not in out.seqs
+    sched = scheduler("fcfs", max_seqs=1)
+    low, high = make(8, priority=3), make(8, priority=-1)
+    sched.add(low.seqs[0])
+    sched.add(high.seqs[0])
+    assert sched.schedule().seqs == [low.seqs[0]]
