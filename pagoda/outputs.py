@@ -51,3 +51,37 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (finish_reason "error"); None otherwise
     error_status: int = 500   # 400 where the request itself was at fault (its constraint), as HTTP reads it
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`: `.outputs.embedding` per prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's `ScoringRequestOutput`: `.outputs.score` per text pair."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

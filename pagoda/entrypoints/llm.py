@@ -21,10 +21,42 @@ class LLM:
     None uses the embedded SmolLM2-135M-Instruct. Keyword arguments take vLLM's names: dtype,
     max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory, max_model_len, seed,
     enable_prefix_caching, kv_cache_dtype (auto | int8 | fp8_e4m3 | fp8_e5m2: 8-bit KV with per-token scales).
+
+    `task="embed"` or `"score"` loads a pooling model instead (an encoder folder; None: the embedded
+    all-MiniLM-L6-v2) for embed(), score() and rerank() (entrypoints/pooling.py); it has no KV cache.
     """
 
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, task: str = "generate", **engine_kwargs: Any) -> None:
+        self.task = task
+        if task != "generate":
+            from pagoda.config import PoolingConfig
+            from pagoda.entrypoints.pooling import POOLING_TASKS, OfflinePooling
+
+            if task not in POOLING_TASKS:
+                raise ValueError(f"task must be generate, {' or '.join(POOLING_TASKS)}; got {task!r}")
+            self.pooling = OfflinePooling(PoolingConfig.from_kwargs(model, **engine_kwargs), task)
+            return
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs))
+
+    def embed(self, prompts: Any, truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None) -> list[Any]:
+        """One EmbeddingRequestOutput per prompt (text or token ids); needs task="embed"."""
+        return self._pooling().embed(prompts, truncate_prompt_tokens, dimensions)
+
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              truncate_prompt_tokens: int | None = None) -> list[Any]:
+        """One ScoringRequestOutput per pair (one text_1 against each text_2, or pairwise)."""
+        return self._pooling().score(text_1, text_2, truncate_prompt_tokens)
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[dict[str, Any]]:
+        """The documents by relevance to the query, best first: index, relevance_score, document."""
+        return self._pooling().rerank(query, documents, top_n, truncate_prompt_tokens)
+
+    def _pooling(self) -> Any:
+        if self.task == "generate":
+            raise ValueError('embed, score and rerank need a pooling model: LLM(model, task="embed" or "score")')
+        return self.pooling
 
     def get_tokenizer(self):  # noqa: ANN201 - pagoda.model.tokenizer.Tokenizer
         return self.engine.tokenizer

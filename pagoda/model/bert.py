@@ -1,0 +1,216 @@
+"""BERT-family encoders (BERT, MiniLM, RoBERTa, XLM-RoBERTa) over packed variable-length sequences.
+
+Sequences are concatenated into one [T, hidden] batch with `cu_seqlens` marking where each starts: every
+matmul runs over all tokens at once, and attention is bidirectional within one sequence only (no padding, no
+mask, no KV cache). RoBERTa differs from BERT only in its position ids, which start after the padding id,
+and in its classification head. Weights load from safetensors under Hugging Face's names.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+# architecture -> (family, head): the head reads the first token of each sequence into num_labels logits.
+ARCHITECTURES: dict[str, tuple[str, str | None]] = {
+    "BertModel": ("bert", None),
+    "BertForSequenceClassification": ("bert", "bert"),
+    "RobertaModel": ("roberta", None),
+    "XLMRobertaModel": ("roberta", None),
+    "RobertaForSequenceClassification": ("roberta", "roberta"),
+    "XLMRobertaForSequenceClassification": ("roberta", "roberta"),
+}
+_MODEL_TYPES = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
+_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+def is_encoder_config(cfg: dict) -> bool:
+    """Whether a config.json describes an encoder this file builds."""
+    archs = cfg.get("architectures") or []
+    return any(a in ARCHITECTURES for a in archs) or (not archs and cfg.get("model_type") in _MODEL_TYPES)
+
+
+@dataclass(frozen=True)
+class EncoderArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    # RoBERTa numbers positions from pad_token_id + 1 (its padding position is never used by real tokens).
+    position_offset: int
+    head: str | None  # None: the encoder's hidden states; "bert" | "roberta": a sequence classifier
+    num_labels: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> EncoderArgs:
+        archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type", ""), "")]
+        arch = next((a for a in archs if a in ARCHITECTURES), archs[0])
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported encoder architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        family, head = ARCHITECTURES[arch]
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        num_labels = len(cfg["id2label"]) if isinstance(cfg.get("id2label"), dict) else cfg.get("num_labels", 2)
+        return cls(architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                   num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                   intermediate_size=cfg["intermediate_size"],
+                   max_position_embeddings=cfg["max_position_embeddings"],
+                   type_vocab_size=cfg.get("type_vocab_size", 2), layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+                   hidden_act=act, position_offset=cfg.get("pad_token_id", 1) + 1 if family == "roberta" else 0,
+                   head=head, num_labels=num_labels if head else 0)
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the position table holds."""
+        return self.max_position_embeddings - self.position_offset
+
+
+class EncoderLayer(nn.Module):
+    """Post-norm transformer layer: x = LN(x + attn(x)); x = LN(x + mlp(x))."""
+
+    def __init__(self, a: EncoderArgs) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = a.num_heads, a.hidden_size // a.num_heads
+        self.qkv = nn.Linear(a.hidden_size, 3 * a.hidden_size)
+        self.o = nn.Linear(a.hidden_size, a.hidden_size)
+        self.attn_norm = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
+        self.up = nn.Linear(a.hidden_size, a.intermediate_size)
+        self.down = nn.Linear(a.intermediate_size, a.hidden_size)
+        self.mlp_norm = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
+        self.act = _ACTIVATIONS[a.hidden_act]
+
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).transpose(0, 2).unbind(1)  # [H, T, D]
+        attn = torch.empty(self.num_heads, t, self.head_dim, dtype=x.dtype)
+        # One attention per sequence: each sees only its own tokens, and its result does not depend on what
+        # else is in the batch.
+        for s, e in spans:
+            attn[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e])
+        x = self.attn_norm(x + self.o(attn.transpose(0, 1).reshape(t, -1)))
+        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+
+
+class ClassifierHead(nn.Module):
+    """The first token's state -> dense -> tanh -> num_labels logits (BERT's pooler + classifier, and
+    RoBERTa's classification head, are this same computation under different names)."""
+
+    def __init__(self, a: EncoderArgs) -> None:
+        super().__init__()
+        self.dense = nn.Linear(a.hidden_size, a.hidden_size)
+        self.out = nn.Linear(a.hidden_size, a.num_labels)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(first)))
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, a: EncoderArgs) -> None:
+        super().__init__()
+        self.args = a
+        self.word_embeddings = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.position_embeddings = nn.Embedding(a.max_position_embeddings, a.hidden_size)
+        self.token_type_embeddings = nn.Embedding(a.type_vocab_size, a.hidden_size)
+        self.embed_norm = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(a) for _ in range(a.num_layers))
+        self.head = ClassifierHead(a) if a.head else None
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """Hidden states [T, hidden] of the packed sequences `input_ids` [T] (sequence i is
+        cu_seqlens[i]:cu_seqlens[i + 1])."""
+        spans = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        positions = torch.cat([torch.arange(e - s) for s, e in spans]) + self.args.position_offset
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + \
+            self.position_embeddings(positions)
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, spans)
+        return x
+
+    def classify(self, hidden: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        """Logits [B, num_labels] from each sequence's first token ([CLS] or <s>)."""
+        assert self.head is not None
+        return self.head(hidden[torch.tensor(cu_seqlens[:-1])])
+
+
+# Hugging Face's names -> this file's, applied to a weight's name after its model prefix is dropped.
+_RENAMES = [
+    ("embeddings.word_embeddings.", "word_embeddings."),
+    ("embeddings.position_embeddings.", "position_embeddings."),
+    ("embeddings.token_type_embeddings.", "token_type_embeddings."),
+    ("embeddings.LayerNorm.", "embed_norm."),
+    ("encoder.layer.", "layers."),
+    (".attention.output.dense.", ".o."),
+    (".attention.output.LayerNorm.", ".attn_norm."),
+    (".intermediate.dense.", ".up."),
+    (".output.dense.", ".down."),
+    (".output.LayerNorm.", ".mlp_norm."),
+    ("pooler.dense.", "head.dense."),           # BERT's classifier reads its pooler
+    ("classifier.dense.", "head.dense."),       # RoBERTa's head
+    ("classifier.out_proj.", "head.out."),
+    ("classifier.", "head.out."),
+]
+_QKV = (".attention.self.query.", ".attention.self.key.", ".attention.self.value.")
+_PREFIXES = ("bert.", "roberta.", "model.")
+
+
+def _weights_file(folder: str) -> str:
+    path = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(path):
+        return path
+    for name in ("pytorch_model.bin", "model.pt"):
+        if os.path.isfile(os.path.join(folder, name)):
+            raise ValueError(f"{os.path.join(folder, name)}: pickled weights are not loaded (they can run code); "
+                             "convert the model to model.safetensors")
+    raise FileNotFoundError(f"no model.safetensors in {folder}")
+
+
+def load_encoder(folder: str, dtype: torch.dtype = torch.float32) -> BertEncoder:
+    """Build the encoder of an HF folder (config.json + model.safetensors) and load its weights."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        args = EncoderArgs.from_hf_config(json.load(f))
+    with torch.device("meta"):
+        model = BertEncoder(args)
+    state: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[str, str], list[torch.Tensor | None]] = {}
+    for name, tensor in load_file(_weights_file(folder)).items():
+        for prefix in _PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        if name.endswith("position_ids") or (args.head is None and name.startswith(("pooler.", "classifier."))):
+            continue  # a buffer of arange, and heads an embedding model does not use
+        for i, part in enumerate(_QKV):
+            if part in name:
+                layer, _, kind = name.partition(part)
+                qkv.setdefault((layer, kind), [None, None, None])[i] = tensor
+                break
+        else:
+            for old, new in _RENAMES:  # in order: a renamed part never matches a later rule
+                name = name.replace(old, new, 1)
+            state[name] = tensor
+    for (layer, kind), parts in qkv.items():
+        if any(p is None for p in parts):
+            raise ValueError(f"{folder}: {layer} lacks one of query/key/value {kind}")
+        state[f"{layer.replace('encoder.layer.', 'layers.')}.qkv.{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not match {args.architecture}: missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    return model.eval()
