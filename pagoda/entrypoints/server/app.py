@@ -11,22 +11,21 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response
 
 import pagoda
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.entrypoints.server import protocol as P
-from pagoda.entrypoints.server.errors import APIError, bad_request, error_response
+from pagoda.entrypoints.server.errors import APIError, bad_request, error_response, install_error_handlers
 from pagoda.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.entrypoints.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pagoda.entrypoints.server.openapi import install_openapi
 from pagoda.entrypoints.server.serving import Serving
 from pagoda.entrypoints.server.serving_chat import ChatServing
-from pagoda.entrypoints.server.serving_messages import CountTokensRequest, MessagesRequest, MessagesServing
-from pagoda.entrypoints.server.serving_responses import ResponsesRequest, ResponsesServing
 from pagoda.entrypoints.server.serving_completions import create_completion, render_completion
+from pagoda.entrypoints.server.serving_messages import CountTokensRequest, MessagesRequest, MessagesServing
+from pagoda.entrypoints.server.serving_pooling import PoolingServing, pooling_router
+from pagoda.entrypoints.server.serving_responses import ResponsesRequest, ResponsesServing
 from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
 from pagoda.sampling_params import SamplingParams
 
@@ -58,7 +57,10 @@ def server_info(core: Any, settings: ServerSettings) -> dict[str, Any]:
     }
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics | None = None,
+               pooling: PoolingServing | None = None) -> FastAPI:
+    """The app over `engine`; with `pooling`, the pooling routes too (serving_pooling.py: an embedding or
+    rerank model beside the chat model)."""
     s = Serving(engine, settings)
     chat = ChatServing(s, settings.tool_call_parser)
     messages = MessagesServing(chat)
@@ -81,37 +83,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     app.state.engine = engine
     app.state.metrics = metrics
 
-    # ---- errors: OpenAI's shape, Anthropic's on its Messages routes --------------------------
-    def error(request: Request, status: int, message: str, param: str | None = None,
-              headers: dict[str, str] | None = None) -> JSONResponse:
-        return error_response(status, message, param, headers, request.url.path)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return error(request, e.status, e.message, e.param, e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        parts, param = [], None
-        for err in e.errors():
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            if err.get("type") == "json_invalid":
-                parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-                continue
-            if param is None and loc:
-                param = loc[0]
-            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-        return error(request, 400, "; ".join(parts) or "invalid request", param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error(request, e.status_code, str(e.detail), headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        # A bug in a handler: OpenAI's shape, never text/plain, and no internals in the message.
-        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
-        return error(request, 500, "internal server error")
+    install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")
 
@@ -158,6 +130,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
                                              max_model_len=inputs.max_model_len) for name in names])
 
     app.include_router(v1)
+    if pooling is not None:
+        app.include_router(pooling_router(pooling))
 
     # ---- unauthenticated operational routes ----------------------------------------------------
     @app.get("/health")

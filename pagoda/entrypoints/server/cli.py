@@ -56,6 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=60.0,
                    help="seconds one engine step may run before /health answers 503 (a stopped tensor-parallel "
                         "rank, a wedged kernel)")
+    pool = p.add_argument_group("pooling: embeddings, score and rerank (serving_pooling.py)")
+    pool.add_argument("--task", default="generate", choices=["generate", "embed", "score"],
+                      help="generate: a chat model; embed / score: only a pooling model (an encoder, or a "
+                           "cross-encoder for score), default the embedded all-MiniLM-L6-v2")
+    pool.add_argument("--embedding-model", default=None, metavar="PATH",
+                      help="with --task generate, also serve this pooling model's routes (/v1/embeddings, /score, "
+                           "/rerank, /embed) beside the chat model ('default': the embedded all-MiniLM-L6-v2)")
+    pool.add_argument("--max-queue-delay-ms", type=float, default=None,
+                      help="ms a pooling request waits for others to share its forward (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     dp = p.add_argument_group("data parallelism: replicas on this host behind vllm-router (docs/deployment.md)")
@@ -116,6 +125,12 @@ def main(args: argparse.Namespace) -> int:
     if args.structured_outputs_compile_workers < 1:
         raise ValueError("--structured-outputs-compile-workers must be at least 1: a server never compiles a "
                          "client's grammar in its own process")
+    settings_kwargs = dict(api_key=server_api_key(args.api_key), max_waiting_requests=args.max_waiting_requests,
+                           drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes)
+    if args.task != "generate":
+        from pagoda.entrypoints.server.pooling_app import serve_pooling
+
+        return serve_pooling(args, settings_kwargs)
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))  # bad flags fail before loading
     if config.tensor_parallel_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         run_torchrun_worker(config)  # torchrun started every rank with this command: this one serves rank 0
@@ -141,7 +156,18 @@ def main(args: argparse.Namespace) -> int:
         step_timeout=args.step_timeout,
     )
     async_engine = AsyncEngine(engine, metrics)
-    app = create_app(async_engine, settings, metrics)
+    pooling = None
+    if args.embedding_model is not None:
+        from pagoda.entrypoints.server.pooling_app import build_pooling
+        from pagoda.model.default_model import DEFAULT_EMBEDDING_NAME
+
+        path = None if args.embedding_model == "default" else args.embedding_model
+        pool_names, pool_aliases = served_names(path, None)
+        pooling = build_pooling(path, {k: v for k, v in engine_kwargs(args).items() if k in ("dtype", "threads")}
+                                | {"max_queue_delay_ms": args.max_queue_delay_ms},
+                                [DEFAULT_EMBEDDING_NAME] if path is None else pool_names, pool_aliases,
+                                metrics.registry)
+    app = create_app(async_engine, settings, metrics, pooling)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -2,13 +2,19 @@
 Anthropic's Messages routes (MESSAGES_PATH) in Anthropic's: {"type": "error", "error": {type, message}}."""
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.entrypoints.server import protocol as P
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
@@ -62,3 +68,38 @@ _KNOWN_PARAMS = set(P.CompletionRequest.model_fields) | set(P.ChatCompletionRequ
 def bad_request(e: Exception) -> APIError:
     msg = str(e)
     return APIError(400, msg, _param_of(msg, _KNOWN_PARAMS))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error `app` answers in the shape of its route (OpenAI's, Anthropic's on the Messages routes)."""
+
+    def error(request: Request, status: int, message: str, param: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        return error_response(status, message, param, headers, request.url.path)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error(request, e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        parts, param = [], None
+        for err in e.errors():
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            if err.get("type") == "json_invalid":
+                parts.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+                continue
+            if param is None and loc:
+                param = loc[0]
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        return error(request, 400, "; ".join(parts) or "invalid request", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error(request, e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        # A bug in a handler: OpenAI's shape, never text/plain, and no internals in the message.
+        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        return error(request, 500, "internal server error")

@@ -185,3 +185,37 @@ class VllmNames:
                     out.add_sample(VLLM_PREFIX + s.name[len(PREFIX):], {**s.labels, "engine": self.engine},
                                    s.value, s.timestamp, s.exemplar)
                 yield out
+
+
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+_QUEUE_DELAY_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+class PoolingMetrics:
+    """The pooling routes' series (embeddings, score, rerank) and the dynamic batcher's: how many sequences
+    and tokens each forward took, and how long each sequence waited for its batch. Implements the batcher's
+    BatchObserver."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._label = model_name
+        labels = ["model_name"]
+        self.requests = Counter("pagoda:pooling_requests", "Pooling requests by endpoint", labels + ["endpoint"],
+                                registry=registry)
+        self.batch_size = Histogram("pagoda:pooling_batch_size", "Sequences per pooling forward", labels,
+                                    buckets=_BATCH_BUCKETS, registry=registry)
+        self.batch_tokens = Histogram("pagoda:pooling_batch_tokens", "Tokens per pooling forward", labels,
+                                      buckets=_TOKEN_BUCKETS, registry=registry)
+        self.queue_delay = Histogram("pagoda:pooling_queue_delay_seconds",
+                                     "Time a sequence waited for its pooling batch", labels,
+                                     buckets=_QUEUE_DELAY_BUCKETS, registry=registry)
+        for metric in (self.batch_size, self.batch_tokens, self.queue_delay):
+            metric.labels(model_name)
+
+    def on_pooling_request(self, endpoint: str) -> None:
+        self.requests.labels(self._label, endpoint).inc()
+
+    def on_pooling_batch(self, num_seqs: int, num_tokens: int, queue_delays: list[float]) -> None:
+        self.batch_size.labels(self._label).observe(num_seqs)
+        self.batch_tokens.labels(self._label).observe(num_tokens)
+        for d in queue_delays:
+            self.queue_delay.labels(self._label).observe(d)
