@@ -292,6 +292,12 @@ _BENCH = {
 _EVAL = {
     "perplexity": ("pagoda.eval.perplexity", "sliding-window perplexity of a text file"),
 }
+_BATCH = {
+    "run": ("pagoda.entrypoints.run_batch", "answer a JSONL of OpenAI batch requests offline (vLLM's run_batch)"),
+}
+# Commands in groups: `pagoda GROUP COMMAND`.
+_GROUPS = {"bench": ("benchmarks", _BENCH), "eval": ("quality evaluations", _EVAL),
+           "batch": ("batch jobs", _BATCH)}
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -319,25 +325,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     for name, (module, help_text) in _PLUGINS.items():
         _add_plugin(sub, name, module, help_text, chosen in (None, (name,)))
-    b = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
-    bsub = b.add_subparsers(dest="bench", required=True)
-    for name, (module, help_text) in _BENCH.items():
-        _add_plugin(bsub, name, module, help_text, chosen in (None, ("bench", name)))
-    e = sub.add_parser("eval", help="quality evaluations", formatter_class=HelpFormatter)
-    esub = e.add_subparsers(dest="eval", required=True)
-    for name, (module, help_text) in _EVAL.items():
-        _add_plugin(esub, name, module, help_text, chosen in (None, ("eval", name)))
+    for group, (group_help, commands) in _GROUPS.items():
+        gsub = sub.add_parser(group, help=group_help, formatter_class=HelpFormatter).add_subparsers(
+            dest=group, required=True)
+        for name, (module, help_text) in commands.items():
+            _add_plugin(gsub, name, module, help_text, chosen in (None, (group, name)))
     for p in (g, c):
         _show_defaults(p)
     return parser
 
 
 def _chosen_command(argv: list[str]) -> tuple[str, ...]:
-    """The command `argv` names: (command,) or, under bench and eval, (group, command); () for none."""
+    """The command `argv` names: (command,) or, in a group, (group, command); () for none."""
     words = [a for a in argv if not a.startswith("-")]
     if not words:
         return ()
-    return tuple(words[:2]) if words[0] in ("bench", "eval") else (words[0],)
+    return tuple(words[:2]) if words[0] in _GROUPS else (words[0],)
 
 
 def _add_plugin(sub: Any, name: str, module: str, help_text: str, load: bool = True) -> None:

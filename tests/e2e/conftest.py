@@ -32,8 +32,10 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-serve-", suffix=".log", delete=False)
+        # Batch files go to a folder of the test's, never the user's state folder.
+        self.batch_dir = tempfile.TemporaryDirectory(prefix="pagoda-batches-")
         cmd = [sys.executable, *launcher, "-m", "pagoda.entrypoints.cli", "serve", "--dtype", "float32",
-               "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+               "--host", "127.0.0.1", "--port", str(self.port), "--batch-dir", self.batch_dir.name, *extra_args]
         full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)

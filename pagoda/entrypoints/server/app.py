@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response
+from fastapi import APIRouter, FastAPI, Form, Request, UploadFile
+from fastapi.responses import FileResponse, Response
 
 import pagoda
 from pagoda.engine.async_engine import AsyncEngine
@@ -21,6 +21,7 @@ from pagoda.entrypoints.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.entrypoints.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from pagoda.entrypoints.server.openapi import install_openapi
 from pagoda.entrypoints.server.serving import Serving
+from pagoda.entrypoints.server.serving_batches import BatchesServing, CreateBatchRequest, in_process_client
 from pagoda.entrypoints.server.serving_chat import ChatServing
 from pagoda.entrypoints.server.serving_completions import create_completion, render_completion
 from pagoda.entrypoints.server.serving_messages import CountTokensRequest, MessagesRequest, MessagesServing
@@ -68,16 +69,24 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     inputs, tokenizer, names = s.inputs, s.tokenizer, s.names
     core = engine.engine  # for what the engine reports about itself (/version, /server_info)
 
+    batches: BatchesServing | None = None
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if batches is not None:
+            batches.resume()
         yield
+        if batches is not None:  # jobs stop where they are; the next start resumes them
+            await batches.stop()
+            await batch_client.aclose()
         # uvicorn has stopped accepting and waited for connections; finish or abort what is left.
         await engine.shutdown(settings.drain_timeout)
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, lifespan=lifespan)
     install_openapi(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes,
+                       uploads=(("/v1/files",), settings.max_upload_bytes))
     if settings.api_key:  # added last, so outermost: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.state.engine = engine
@@ -114,6 +123,53 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     @v1.post("/messages/count_tokens")
     async def count_message_tokens(req: CountTokensRequest) -> dict[str, int]:
         return await messages.count_tokens(req)
+
+    # ---- files and batch jobs (serving_batches.py) ----------------------------------------------------
+    if settings.batch_dir is not None:
+        batch_client, send = in_process_client(app, settings.api_key)
+        batches = BatchesServing(settings.batch_dir, send, core.config.scheduler.max_num_seqs)
+
+    def batch_jobs() -> BatchesServing:
+        if batches is None:
+            raise APIError(404, "files and batches are off on this server (start it with --batch-dir)")
+        return batches
+
+    @v1.post("/files")
+    async def upload_file(file: UploadFile, purpose: str = Form(...)) -> dict[str, Any]:
+        data = await file.read()
+        return await asyncio.to_thread(batch_jobs().upload, data, file.filename or "upload.jsonl", purpose)
+
+    @v1.get("/files")
+    async def list_files(purpose: str | None = None, after: str | None = None, limit: int = 10_000) -> dict[str, Any]:
+        return batch_jobs().files(purpose, after, limit)
+
+    @v1.get("/files/{file_id}")
+    async def get_file(file_id: str) -> dict[str, Any]:
+        return batch_jobs().file(file_id)
+
+    @v1.get("/files/{file_id}/content")
+    async def file_content(file_id: str) -> FileResponse:
+        return FileResponse(batch_jobs().content(file_id), media_type="application/jsonl")
+
+    @v1.delete("/files/{file_id}")
+    async def delete_file(file_id: str) -> dict[str, Any]:
+        return batch_jobs().delete_file(file_id)
+
+    @v1.post("/batches")
+    async def create_batch(req: CreateBatchRequest) -> dict[str, Any]:
+        return batch_jobs().create(req)
+
+    @v1.get("/batches")
+    async def list_batches(after: str | None = None, limit: int = 20) -> dict[str, Any]:
+        return batch_jobs().batches(after, limit)
+
+    @v1.get("/batches/{batch_id}")
+    async def get_batch(batch_id: str) -> dict[str, Any]:
+        return batch_jobs().batch(batch_id)
+
+    @v1.post("/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> dict[str, Any]:
+        return await batch_jobs().cancel(batch_id)
 
     # vLLM's render routes: the prompt's token ids, nothing generated (vllm-router's cache_aware asks for them)
     @v1.post("/completions/render")

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import FrameType
 
 from pagoda.entrypoints.server.data_parallel import ROUTER_POLICIES
-from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_UPLOAD_BYTES
 from pagoda.tools.formats import FORMATS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "/rerank, /embed) beside the chat model ('default': the embedded all-MiniLM-L6-v2)")
     pool.add_argument("--max-queue-delay-ms", type=float, default=None,
                       help="ms a pooling request waits for others to share its forward (default 2)")
+    p.add_argument("--batch-dir", default=None,
+                   help="folder of /v1/files and /v1/batches (uploads, job records, outputs; a job left running "
+                        "resumes at the next start); `none` turns those routes off (default: "
+                        "$XDG_STATE_HOME/pagoda/batches/PORT, made at the first upload)")
+    p.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
+                   help="answer 413 to a /v1/files upload larger than this (it is read into memory)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     dp = p.add_argument_group("data parallelism: replicas on this host behind vllm-router (docs/deployment.md)")
@@ -91,6 +97,14 @@ def served_names(model: str | None, given: list[str] | None) -> tuple[list[str],
     name = base[:-len(".gguf")] if base.endswith(".gguf") and len(base) > len(".gguf") else base
     aliases = [a for a in dict.fromkeys((model, model.rstrip("/"), base)) if a != name]
     return [name], aliases
+
+
+def batch_dir(given: str | None, port: int) -> Path | None:
+    """--batch-dir as given (`none`: off), else a folder per port in the user's state folder."""
+    if given is not None:
+        return None if given.lower() == "none" else Path(given)
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "pagoda" / "batches" / str(port)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -154,6 +168,8 @@ def main(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         tool_call_parser=args.tool_call_parser,
         step_timeout=args.step_timeout,
+        batch_dir=batch_dir(args.batch_dir, args.port),
+        max_upload_bytes=args.max_upload_bytes,
     )
     async_engine = AsyncEngine(engine, metrics)
     pooling = None

@@ -57,7 +57,7 @@ ROUTER_FAILOVER_ARGS = ("--cb-failure-threshold", "3", "--health-check-interval-
 # Flags of `pagoda serve` that belong to this launcher, not to the replicas it starts. The user's --api-key
 # is the front's alone: the replicas accept only the worker secret.
 _LAUNCHER_DESTS = frozenset({"model", "model_flag", "host", "port", "data_parallel_size", "data_parallel_base_port",
-                             "router_policy", "router_args", "api_key", "cpus", "threads", "help"})
+                             "router_policy", "router_args", "api_key", "cpus", "threads", "batch_dir", "help"})
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2
 _ROUTER_STOP_S = 3.0
@@ -449,8 +449,9 @@ def build(args: argparse.Namespace) -> tuple[DataParallelServer, str]:
     common = forwarded_args(args)
     replicas = []
     for rank, (port, group) in enumerate(zip(ports, split_cores(cores, n))):
+        # Files and batch jobs live on one server's disk, which the router cannot route to: off in replicas.
         cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *common, "--host", "127.0.0.1",
-               "--port", str(port)]
+               "--port", str(port), "--batch-dir", "none"]
         threads = str(len(group))
         replicas.append(Child(f"replica {rank}", cmd, f"http://127.0.0.1:{port}", group,
                               {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PAGODA_API_KEY": secret}))

@@ -33,30 +33,38 @@ class BodyLimitMiddleware:
     """Answer 413 to a body over `max_bytes` before any of it is parsed, declared or streamed.
 
     The body is read here (the app reads it whole anyway) and replayed; after it, receive() goes to the
-    client again, so disconnects still reach the handlers.
+    client again, so disconnects still reach the handlers. `uploads` names paths with their own, larger,
+    limit (file uploads: `--max-upload-bytes`); the read deadline grows with it.
     """
 
-    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int, read_timeout_s: float = 30.0) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int, read_timeout_s: float = 30.0,
+                 uploads: tuple[tuple[str, ...], int] = ((), 0)) -> None:
         self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+        self.upload_paths, self.max_upload_bytes = uploads
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = error_response(413, f"request body is larger than the server's limit of {self.max_bytes} "
-                                        "bytes (--max-request-body-bytes)", path=scope.get("path", ""))
+        upload = scope.get("path") in self.upload_paths
+        max_bytes, flag = (self.max_upload_bytes, "--max-upload-bytes") if upload else \
+            (self.max_bytes, "--max-request-body-bytes")
+        too_large = error_response(413, f"request body is larger than the server's limit of {max_bytes} "
+                                        f"bytes ({flag})", path=scope.get("path", ""))
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:  # uvicorn itself refuses malformed ones
+        if declared.isdigit() and int(declared) > max_bytes:  # uvicorn itself refuses malformed ones
             await too_large(scope, receive, send)
             return
         chunks, size = [], 0
         # One deadline for the whole body, not one per read: a byte every few seconds must not hold a slot forever.
-        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
+        # An upload gets a second more per MiB over the usual limit.
+        read_timeout_s = self.read_timeout_s + (max(0, max_bytes - self.max_bytes) >> 20)
+        deadline = asyncio.get_running_loop().time() + read_timeout_s
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - asyncio.get_running_loop().time(), 0))
             except TimeoutError:  # a client that declares more than it sends must not hold its slot forever
-                await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s",
+                await error_response(408, f"request body not received within {read_timeout_s:.0f} s",
                                      path=scope.get("path", ""))(
                     scope, receive, send)
                 return
@@ -64,7 +72,7 @@ class BodyLimitMiddleware:
                 return  # the client is gone before it finished sending
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
+            if size > max_bytes:
                 await too_large(scope, receive, send)
                 return
             if not message.get("more_body", False):

@@ -2,8 +2,8 @@
 
 FastAPI declares a 422 with its own validation body on every route that takes input, and knows nothing of
 what the handlers answer themselves. The server answers every error in OpenAI's shape (`ErrorResponse`; on
-Anthropic's Messages routes `AnthropicErrorResponse`) with a 400 for invalid input, streams server-sent events when `stream` is true, and returns bare bodies
-from its operational routes. `install_openapi` rewrites the generated document once, on first request.
+Anthropic's Messages routes `AnthropicErrorResponse`) with a 400 for invalid input, streams server-sent events
+when `stream` is true, and returns bare bodies from its operational routes. `install_openapi` rewrites the generated document once, on first request.
 """
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+DEFAULT_MAX_UPLOAD_BYTES = 200 << 20  # one /v1/files upload, read whole into memory
 
 
 @dataclass
@@ -18,3 +20,5 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tool_call_parser: str | None = None  # None: the format the chat template writes
     step_timeout: float = 60.0  # seconds one engine step may run before /health answers 503
+    batch_dir: Path | None = None  # /v1/files and /v1/batches keep their files here; None: those routes are off
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
