@@ -24,7 +24,7 @@ from pagoda.entrypoints import cli
 REPO = Path(__file__).resolve().parent.parent
 
 # What a plain `pip install pagoda` lacks: the test extras. A command must not need them to start.
-TEST_ONLY = ("pytest", "hypothesis", "openai", "matplotlib")
+TEST_ONLY = ("pytest", "hypothesis", "openai", "anthropic", "matplotlib", "sentence_transformers", "schemathesis")
 _BLOCK_TEST_ONLY = f"""
 import importlib.abc, sys
 class _Absent(importlib.abc.MetaPathFinder):
@@ -36,7 +36,7 @@ sys.meta_path.insert(0, _Absent())
 
 COMMANDS = [["generate"], ["chat"], ["serve"], ["quantize"], ["bench"], ["bench", "throughput"],
             ["bench", "serve"], ["bench", "quant"], ["bench", "structured"], ["eval"], ["eval", "perplexity"],
-            ["kernels"]]
+            ["kernels"], ["batch"], ["batch", "run"]]
 
 
 def _run_cli(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
