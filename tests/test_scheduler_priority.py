@@ -93,3 +93,15 @@ def test_fcfs_ignores_priority():
     sched.add(low.seqs[0])
     sched.add(high.seqs[0])
     assert sched.schedule().seqs == [low.seqs[0]]
+
+
+def test_a_higher_priority_prompt_computes_alone_and_the_others_resume_after():
+    sched = scheduler("priority", max_seqs=8)
+    bulk = fill(sched, 3, priority=10)
+    urgent = make(8, priority=0)
+    sched.add(urgent.seqs[0])
+    out = sched.schedule()
+    assert out.seqs == [urgent.seqs[0]] and not out.yielded  # the decodes of priority 10 sit this step out
+    run(sched)
+    out = sched.schedule()  # its prompt is done: everyone decodes together again
+    assert out.seqs == [urgent.seqs[0], *(r.seqs[0] for r in bulk)] and out.num_scheduled == [1] * 4

@@ -16,7 +16,8 @@ Priority (`--scheduling-policy priority`, vLLM's rule): a sequence's rank is its
 first (under fcfs every rank is 0 and nothing below changes). Ranks stand above everything else: the waiting
 queue serves the lowest rank first, `running` is kept in rank order so decodes are served and victims taken
 from its end (the newest of the highest rank), and a waiter of a lower rank than the last running sequence
-takes its seat, and its blocks, when either is short.
+takes its seat, and its blocks, when either is short. A step that computes a prompt computes nothing of a
+higher rank beside it: a request's first token never waits on lower priorities' steps.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ class Scheduler:
         seats = Seats.of(self.running)
         self._yield_seats(seats, out)
         budget = self.config.max_num_batched_tokens
+        cutoff = self._prompt_rank(seats)
 
         # 1) Decodes, oldest first; prompts under way wait for step 2.
         prefilling: list[Sequence] = []
@@ -93,6 +95,8 @@ class Scheduler:
                 prefilling.append(seq)
                 i += 1
                 continue
+            if self.rank(seq) > cutoff:  # `running` is in rank order: the rest sit this step out
+                break
             # Proposals to verify count like tokens (vLLM v1's num_tokens_with_spec); the budget may trim them.
             num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             del seq.spec_token_ids[max(0, seq.num_computed_tokens + num_new - seq.num_tokens):]
@@ -121,7 +125,7 @@ class Scheduler:
         admitting = bool(newcomers)
         for seq in sorted(prefilling + newcomers,
                           key=lambda s: (self.rank(s), s.num_tokens - s.num_computed_tokens, s.seq_id)):
-            if budget <= 0:
+            if budget <= 0 or self.rank(seq) > cutoff:
                 break
             if seq.status is SeqStatus.RUNNING:  # under way
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -203,6 +207,18 @@ class Scheduler:
             seats.give(holder)
             self._preempt(holder)
             out.yielded.append(holder)
+
+    def _prompt_rank(self, seats: Seats) -> float:
+        """The lowest rank of a prompt to compute this step (one under way, or the waiter the next free seat
+        goes to); nothing of a higher rank is scheduled beside it, so a prompt's first token never waits on
+        the steps of lower priorities. Infinite where no prompt waits, and under fcfs (one rank for all)."""
+        if self.config.policy != "priority":
+            return float("inf")
+        ranks = [self.rank(s) for s in self.running if s.num_computed_tokens < s.num_tokens - 1]
+        waiter = self.waiting.fairest(seats) if len(self.running) < self.config.max_num_seqs else None
+        if waiter is not None:
+            ranks.append(self.rank(waiter))
+        return min(ranks, default=float("inf"))
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the free blocks hold `seq`'s first chunk (cached prefix blocks not counted)."""

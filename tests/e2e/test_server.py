@@ -405,6 +405,7 @@ class FakeEngine:
         self.requests: dict[str, dict] = {}
         self.hold = False
         self.fail_next = False
+        self.priorities: list[int] = []  # of every request added
 
     def engine_stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.requests) - len(self.scheduler.waiting),
@@ -414,7 +415,8 @@ class FakeEngine:
                       client: str | None = None, priority: int = 0) -> Any:
         ids = processed.prompt_token_ids
         self.requests[request_id] = {"ids": ids, "out": [], "max": processed.params.max_tokens or 4,
-                                     "metrics": RequestMetrics(arrival_time=time.time())}
+                                     "metrics": RequestMetrics(arrival_time=time.time()), "priority": priority}
+        self.priorities.append(priority)
         self.scheduler.waiting.append(request_id)
         return SimpleNamespace(prompt_token_ids=ids)
 
@@ -459,6 +461,23 @@ def _fake_app(**settings: Any) -> tuple[Any, Any, Any]:
     m = ServerMetrics("fake")
     engine = AsyncEngine(fake, m)  # type: ignore[arg-type]
     return create_app(engine, ServerSettings(served_model_names=["fake"], **settings), m), engine, fake
+
+
+def test_every_generation_route_passes_priority_to_the_scheduler() -> None:
+    from fastapi.testclient import TestClient
+
+    app, _, fake = _fake_app()
+    msg = [{"role": "user", "content": "hi"}]
+    with TestClient(app) as http:
+        for i, (route, body) in enumerate([
+                ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                ("/v1/chat/completions", {"messages": msg, "max_tokens": 2}),
+                ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                ("/v1/messages", {"messages": msg, "max_tokens": 2})]):
+            assert http.post(route, json={**body, "priority": -5 - i}).status_code == 200, route
+            r = http.post(route, json={**body, "priority": 2**40})
+            assert r.status_code == 400 and "priority" in r.text, route
+        assert fake.priorities == [-5, -6, -7, -8]
 
 
 def test_api_key_enforced() -> None:
