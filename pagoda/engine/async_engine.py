@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.engine.stats import EngineStats
+from pagoda.engine.step_turns import StepTurns
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -104,9 +105,12 @@ Command = AddRequest | Abort | ResetPrefixCache | Shutdown
 
 class AsyncEngine:
     def __init__(self, engine: "LLMEngine", metrics: EngineMetricsHook | None = None,
-                 idle_poll_s: float = 1.0) -> None:
+                 idle_poll_s: float = 1.0, step_turns: StepTurns | None = None) -> None:
+        """`step_turns`: shared by the engines of one process (several models in one server), so that one of
+        them steps at a time (step_turns.py)."""
         self.engine = engine
         self.metrics = metrics
+        self._turns: contextlib.AbstractContextManager[None] = step_turns or contextlib.nullcontext()
         self.stats = EngineStats()
         self._idle_poll_s = idle_poll_s
         self._cond = threading.Condition()
@@ -351,11 +355,12 @@ class AsyncEngine:
         try:
             # step() fails the requests a failure belongs to and returns; reaching the handler below
             # means a bug in the engine's own recovery.
-            self._step_began = time.monotonic()
-            try:
-                outputs = self.engine.step()
-            finally:
-                self._step_began = None
+            with self._turns:
+                self._step_began = time.monotonic()
+                try:
+                    outputs = self.engine.step()
+                finally:
+                    self._step_began = None
         except WorkerDiedError:  # the engine cannot go on: _run fails everything and refuses new work
             raise
         except Exception:
