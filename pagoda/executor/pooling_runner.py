@@ -1,6 +1,7 @@
-"""The pooling runner: text -> token ids -> one packed forward of an encoder -> a vector (embedding models)
-or a score (cross-encoders) per input. No KV cache and no scheduler steps: every input is whole in one
-forward, so the paged engine (engine/engine.py) is not involved. vLLM calls this its pooling runner."""
+"""The pooling runner: text -> token ids -> one packed forward -> a vector (embedding models) or a score
+(cross-encoders, decoder rerankers) per input. An encoder runs as model/bert.py; a causal LM as the engine's
+model, prefill only (executor/prefill_runner.py). No scheduler steps: every input is whole in one forward,
+and no KV outlives it. vLLM calls this its pooling runner."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,12 @@ from tokenizers import Tokenizer
 
 from pagoda.config import PoolingConfig, resolve_dtype
 from pagoda.cpus import resolve as resolve_cpus
+from pagoda.executor.prefill_runner import PrefillModel, is_causal_lm
 from pagoda.layers.pooler import PoolerConfig, pool
-from pagoda.model.bert import is_encoder_config, load_encoder
+from pagoda.model.bert import BertEncoder, is_encoder_config, load_encoder
 from pagoda.model.default_model import default_embedding_model_path
 from pagoda.model.locate import locate_model
+from pagoda.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +33,33 @@ class PoolingInput:
 
 
 class PoolingRunner:
-    """An embedding model or a cross-encoder loaded from a Hugging Face or sentence-transformers folder."""
+    """An embedding model or a cross-encoder loaded from a Hugging Face or sentence-transformers folder: a
+    BERT-family encoder (model/bert.py), or a causal LM the engine loads (executor/prefill_runner.py), pooled
+    at its last token (or as its sentence-transformers folder says), or scoring by the logits of
+    `classifier_from_token`."""
 
-    def __init__(self, folder: str, dtype: torch.dtype = torch.float32, max_model_len: int | None = None) -> None:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-        if not is_encoder_config(cfg):
-            raise ValueError(f"{folder}: {cfg.get('architectures')} is not an encoder model; the pooling runner "
-                             "serves BERT, MiniLM, RoBERTa and XLM-RoBERTa encoders and their cross-encoders")
+    def __init__(self, folder: str, dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
+                 classifier_from_token: list[str] | None = None, kernels: str = "auto",
+                 quantization: str | None = None) -> None:
         self.folder = folder
         self.dtype = dtype
-        self.model = load_encoder(folder, dtype)
-        args = self.model.args
+        if os.path.isdir(folder) and is_encoder_config(_read_config(folder)):
+            if classifier_from_token is not None:
+                raise ValueError(f"{folder}: classifier_from_token scores with a causal LM's logits; this is an "
+                                 "encoder")
+            self._load_encoder(folder, dtype, max_model_len)
+        elif is_causal_lm(folder):
+            self._load_causal_lm(folder, dtype, max_model_len, classifier_from_token, kernels, quantization)
+        else:
+            raise ValueError(f"{folder}: {_read_config(folder).get('architectures')} is neither an encoder (BERT, "
+                             "MiniLM, RoBERTa, XLM-RoBERTa and their cross-encoders) nor a causal LM Pagoda loads")
+        self.tokenizer.no_truncation()  # limits are ours to apply, and a 400 where no truncation was asked
+        self.tokenizer.no_padding()
+
+    def _load_encoder(self, folder: str, dtype: torch.dtype, max_model_len: int | None) -> None:
+        model = load_encoder(folder, dtype)
+        self.model: BertEncoder | PrefillModel = model
+        args = model.args
         self.is_cross_encoder = args.head is not None
         if self.is_cross_encoder and args.num_labels != 1:
             raise ValueError(f"{folder}: a cross-encoder scores with one label; this one has {args.num_labels}")
@@ -53,14 +71,33 @@ class PoolingRunner:
         if os.path.isfile(st_config):  # sentence-transformers' own limit (all-MiniLM-L6-v2: 256 of 512)
             with open(st_config, encoding="utf-8") as f:
                 limit = min(limit, int(json.load(f).get("max_seq_length") or limit))
-        if max_model_len is not None:
-            if max_model_len > args.max_tokens:
-                raise ValueError(f"max_model_len {max_model_len} is above the model's {args.max_tokens} positions")
-            limit = max_model_len
-        self.max_model_len = limit
+        self.max_model_len = _checked_limit(limit, max_model_len, args.max_tokens)
         self.tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        self.tokenizer.no_truncation()  # limits are ours to apply, and a 400 where no truncation was asked
-        self.tokenizer.no_padding()
+
+    def _load_causal_lm(self, path: str, dtype: torch.dtype, max_model_len: int | None,
+                        classifier_from_token: list[str] | None, kernels: str, quantization: str | None) -> None:
+        model = PrefillModel(path, dtype, kernels, quantization, max_model_len)
+        self.model = model
+        self.tokenizer = load_tokenizer(model.files).backend
+        self.is_cross_encoder = classifier_from_token is not None
+        if classifier_from_token is not None:
+            model.classifier_token_ids = [self._token_id(t) for t in classifier_from_token]
+        # Qwen3-Embedding's pooling: the last token (its tokenizer appends <|endoftext|>), unit length.
+        self.pooler = PoolerConfig.from_folder(path, default_mode="lasttoken", default_normalize=True) \
+            if os.path.isdir(path) else PoolerConfig("lasttoken", True)
+        self.hidden_size = model.args.hidden_size
+        self.vocab_size = model.args.vocab_size
+        self.max_model_len = _checked_limit(model.max_tokens, max_model_len, model.args.max_position_embeddings)
+
+    def _token_id(self, token: str) -> int:
+        """A token by its vocabulary entry ("yes"), else a text that encodes to one token."""
+        tid = self.tokenizer.token_to_id(token)
+        if tid is None:
+            ids = self.tokenizer.encode(token, add_special_tokens=False).ids
+            if len(ids) != 1:
+                raise ValueError(f"classifier_from_token: {token!r} is not one token of this model's vocabulary")
+            tid = ids[0]
+        return tid
 
     @classmethod
     def from_config(cls, config: PoolingConfig) -> PoolingRunner:
@@ -72,9 +109,11 @@ class PoolingRunner:
         if threads is not None:
             torch.set_num_threads(threads)
         folder = locate_model(config.model) if config.model is not None else default_embedding_model_path()
-        if not os.path.isdir(folder):
-            raise ValueError(f"{config.model}: a pooling model is a Hugging Face or sentence-transformers folder")
-        return cls(folder, resolve_dtype(config.dtype), config.max_model_len)
+        if not os.path.isdir(folder) and not is_causal_lm(folder):
+            raise ValueError(f"{config.model}: a pooling model is a Hugging Face or sentence-transformers folder, "
+                             "or a causal LM's .gguf file")
+        return cls(folder, resolve_dtype(config.dtype), config.max_model_len, config.classifier_from_token,
+                   config.kernels, config.quantization)
 
     # ---- inputs ------------------------------------------------------------------------------------
     def tokenize(self, text: str, pair: str | None = None, truncate: int | None = None) -> PoolingInput:
@@ -143,3 +182,17 @@ class PoolingRunner:
         if self.pooler.normalize:
             vectors = torch.nn.functional.normalize(vectors, dim=-1)
         return list(vectors)
+
+
+def _read_config(folder: str) -> dict:
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _checked_limit(limit: int, asked: int | None, positions: int) -> int:
+    """The longest input served: `asked` (max_model_len) where given, within the model's `positions`."""
+    if asked is None:
+        return limit
+    if asked > positions:
+        raise ValueError(f"max_model_len {asked} is above the model's {positions} positions")
+    return asked

@@ -21,12 +21,12 @@ class PoolerConfig:
     normalize: bool = False
 
     @classmethod
-    def from_folder(cls, folder: str, default_mode: str) -> PoolerConfig:
-        """The pooling a sentence-transformers folder declares in modules.json; `default_mode` (unnormalized)
-        for a plain Hugging Face folder."""
+    def from_folder(cls, folder: str, default_mode: str, default_normalize: bool = False) -> PoolerConfig:
+        """The pooling a sentence-transformers folder declares in modules.json; `default_mode` and
+        `default_normalize` for a plain Hugging Face folder."""
         modules_path = os.path.join(folder, "modules.json")
         if not os.path.isfile(modules_path):
-            return cls(default_mode, False)
+            return cls(default_mode, default_normalize)
         with open(modules_path, encoding="utf-8") as f:
             modules = json.load(f)
         mode, normalize = default_mode, False
