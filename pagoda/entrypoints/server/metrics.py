@@ -219,3 +219,27 @@ class PoolingMetrics:
         self.batch_tokens.labels(self._label).observe(num_tokens)
         for d in queue_delays:
             self.queue_delay.labels(self._label).observe(d)
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def render_models(registries: dict[str, CollectorRegistry]) -> bytes:
+    """Several models' registries (one ServerMetrics each, keyed by model name) as one exposition: each family
+    once, with every model's samples, each labelled with its model_name (cache_config_info, which has no such
+    label in one model's registry, gets it here); a family twice would be an invalid exposition."""
+    families: dict[str, Metric] = {}
+    for model, registry in registries.items():
+        for family in registry.collect():
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                labels = s.labels if "model_name" in s.labels else {**s.labels, "model_name": model}
+                merged.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+    return generate_latest(_Families(list(families.values())))  # type: ignore[arg-type]

@@ -22,3 +22,11 @@ class ServerSettings:
     step_timeout: float = 60.0  # seconds one engine step may run before /health answers 503
     batch_dir: Path | None = None  # /v1/files and /v1/batches keep their files here; None: those routes are off
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+
+
+@dataclass
+class ModelsSettings:
+    """Several models in one server (models.py): when they load and unload."""
+    memory_budget: int | None = None  # bytes the loaded models may take together; None: no limit
+    idle_unload_s: float | None = None  # unload a model with nothing in flight this long after its last request
+    preload: bool = False  # load every model at start rather than at its first request
