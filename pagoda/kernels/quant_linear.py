@@ -313,7 +313,8 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
     computes)."""
     if int4_activations not in ("int8", "float"):
         raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
-    if pw.layout != "rows" or not cpp_supported(pw):
+    # Each layout's own predicate decides (a group of 16 takes the panels, not the row-major kernel).
+    if pw.layout != "rows" or pw.data.device.type != "cpu" or not kernel_available():
         return pw
     if int4_activations == "int8" and pw.format == "int4":
         if pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size):
