@@ -23,7 +23,8 @@ def random_blocks(qtype: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
     for off in FP16_FIELDS.get(qtype, []):
-        raw[..., off:off + 2] = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        d = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = d[..., None].view(np.uint8)
     if qtype == T.MXFP4:
         raw[..., 0] = rng.integers(118, 130, size=raw.shape[:2])  # exponents around 2^0
     return raw.reshape(rows, -1)
