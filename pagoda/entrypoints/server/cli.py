@@ -58,8 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rank, a wedged kernel)")
     pool = p.add_argument_group("pooling: embeddings, score and rerank (serving_pooling.py)")
     pool.add_argument("--task", default="generate", choices=["generate", "embed", "score"],
-                      help="generate: a chat model; embed / score: only a pooling model (an encoder, or a "
-                           "cross-encoder for score), default the embedded all-MiniLM-L6-v2")
+                      help="generate: a chat model; embed / score: only a pooling model (an encoder, a "
+                           "cross-encoder for score, or a causal LM pooled at its last token), default the "
+                           "embedded all-MiniLM-L6-v2")
+    pool.add_argument("--classifier-from-token", default=None, metavar="NO,YES",
+                      type=lambda v: [t for t in v.split(",") if t],
+                      help="with --task score and a causal LM: score a pair by the softmax over these tokens' "
+                           "logits at its last position, the last one's probability (Qwen3-Reranker: no,yes)")
     pool.add_argument("--embedding-model", default=None, metavar="PATH",
                       help="with --task generate, also serve this pooling model's routes (/v1/embeddings, /score, "
                            "/rerank, /embed) beside the chat model ('default': the embedded all-MiniLM-L6-v2)")

@@ -90,7 +90,8 @@ def serve_pooling(args: Any, settings_kwargs: dict) -> int:
     if args.model is None and not args.served_model_name:
         names = [DEFAULT_EMBEDDING_NAME]
     registry = CollectorRegistry(auto_describe=True)
-    pooling = build_pooling(args.model, {**engine_kwargs(args), "max_queue_delay_ms": args.max_queue_delay_ms},
+    pooling = build_pooling(args.model, {**engine_kwargs(args), "max_queue_delay_ms": args.max_queue_delay_ms,
+                                         "classifier_from_token": args.classifier_from_token},
                             names, aliases, registry)
     settings = ServerSettings(served_model_names=names, model_aliases=aliases,
                               model_root=args.model or DEFAULT_EMBEDDING_NAME, **settings_kwargs)
