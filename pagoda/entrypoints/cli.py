@@ -288,6 +288,7 @@ _BENCH = {
     "serve": ("pagoda.bench.serve", "load generator for any OpenAI-compatible server"),
     "quant": ("pagoda.bench.quant_table", "weight formats side by side: bytes, perplexity, decode, throughput"),
     "structured": ("pagoda.bench.structured", "JSON-schema requests against the same work unconstrained"),
+    "embed": ("pagoda.bench.embed", "an embedding model against sentence-transformers: throughput and latency"),
 }
 _EVAL = {
     "perplexity": ("pagoda.eval.perplexity", "sliding-window perplexity of a text file"),
