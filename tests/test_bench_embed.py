@@ -32,6 +32,7 @@ def test_sentences_are_corpus_windows_within_the_token_range(minilm_folder: str)
     assert min(lengths) >= 7 and max(lengths) <= 66 and len(set(lengths)) > 10
 
 
+@pytest.mark.slow
 def test_a_tiny_run_reports_both_sides_and_the_ratios(minilm_folder: str, tmp_path, capsys) -> None:
     pytest.importorskip("sentence_transformers")
     p = argparse.ArgumentParser()

@@ -107,9 +107,11 @@ def fuzz_body_limit() -> int:
 
 @pytest.fixture(scope="module")
 def fuzz_server(fuzz_api_key: str, fuzz_body_limit: int) -> Iterator[ServerProcess]:
-    """A ready server with small limits and an API key, for schema fuzzing."""
+    """A ready server with small limits and an API key, for schema fuzzing; the embedded embedding model beside
+    the chat model, so the pooling routes are fuzzed too."""
     srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "256", "--max-num-seqs", "8",
-                        "--api-key", fuzz_api_key, "--max-request-body-bytes", str(fuzz_body_limit))
+                        "--api-key", fuzz_api_key, "--max-request-body-bytes", str(fuzz_body_limit),
+                        "--embedding-model", "default")
     try:
         srv.wait_ready()
         yield srv

@@ -182,8 +182,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
 
     @v1.get("/models")
     async def models() -> P.ModelList:
-        return P.ModelList(data=[P.ModelCard(id=name, root=settings.model_root or name,
-                                             max_model_len=inputs.max_model_len) for name in names])
+        cards = [P.ModelCard(id=name, root=settings.model_root or name, max_model_len=inputs.max_model_len)
+                 for name in names]
+        if pooling is not None:  # the embedding model served beside the chat model
+            cards += [P.ModelCard(id=name, root=pooling.runner.folder, max_model_len=pooling.runner.max_model_len)
+                      for name in pooling.names]
+        return P.ModelList(data=cards)
 
     app.include_router(v1)
     if pooling is not None:

@@ -43,6 +43,18 @@ NAMED_EVENT_ROUTES: dict[str, tuple[str | None, str]] = {
                             "response.incomplete; error after the 200"),
 }
 
+# The pooling routes (serving_pooling.py), whose handlers return dicts: their answers' schemas by name, and
+# the status a failed forward adds (500).
+POOLING_ROUTES: dict[str, dict[str, Any]] = {
+    "/v1/embeddings": {"$ref": _REF.format(model="EmbeddingResponse")},
+    "/score": {"$ref": _REF.format(model="ScoreResponse")},
+    "/v1/score": {"$ref": _REF.format(model="ScoreResponse")},
+    **{path: {"anyOf": [{"$ref": _REF.format(model="RerankResponse")},
+                        {"type": "array", "items": {"$ref": _REF.format(model="TEIRerankResult")}}]}
+       for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
+    "/embed": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+}
+
 # Routes whose handler returns a bare Response, so FastAPI cannot see the 200: its content ({} = no body).
 PLAIN_OK: dict[str, dict[str, Any]] = {
     "/health": {},
@@ -89,10 +101,14 @@ def truthful(doc: dict[str, Any]) -> dict[str, Any]:
     """Rewrite a FastAPI-generated document in place (and return it) to match the server's answers."""
     components = doc.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
+    from pagoda.entrypoints.server import serving_pooling as pooling
     from pagoda.entrypoints.server.serving_messages import MessagesResponse
 
     _add_models(schemas, [P.ErrorResponse, P.AnthropicErrorResponse, MessagesResponse,
                           *(m for pair in GENERATION_ROUTES.values() for m in pair)])
+    if any(path in POOLING_ROUTES for path in doc.get("paths", {})):
+        _add_models(schemas, [pooling.EmbeddingResponse, pooling.ScoreResponse, pooling.RerankResponse,
+                              pooling.TEIRerankResult])
     protected = False
     for path, item in doc.get("paths", {}).items():
         for method, op in item.items():
@@ -105,6 +121,8 @@ def truthful(doc: dict[str, Any]) -> dict[str, Any]:
                 full, chunk = GENERATION_ROUTES[path]
                 responses["200"] = _ok({"application/json": {"schema": _ref(full.__name__)},
                                         "text/event-stream": {"schema": _sse_event(chunk.__name__)}})
+            if path in POOLING_ROUTES:
+                responses["200"] = _ok({"application/json": {"schema": POOLING_ROUTES[path]}})
             if path in NAMED_EVENT_ROUTES:  # `event: <type>` + `data: <JSON>` per event
                 body, events = NAMED_EVENT_ROUTES[path]
                 responses["200"] = _ok({"application/json": {"schema": _ref(body) if body else {"type": "object"}},
@@ -136,6 +154,8 @@ def _error_statuses(path: str, op: dict[str, Any], schemas: dict[str, Any], inva
     statuses |= {408, 413}  # the body limit and read timeout hold for every request, read before routing
     if path in GENERATION_ROUTES or path in NAMED_EVENT_ROUTES:
         statuses |= {400, 500, 503}
+    if path in POOLING_ROUTES:
+        statuses |= {400, 500}
     return statuses
 
 

@@ -16,6 +16,7 @@ from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import install_error_handlers
 from pagoda.entrypoints.server.metrics import CONTENT_TYPE
 from pagoda.entrypoints.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pagoda.entrypoints.server.openapi import install_openapi
 from pagoda.entrypoints.server.serving_pooling import PoolingServing, pooling_router
 from pagoda.entrypoints.server.settings import ServerSettings
 
@@ -28,6 +29,7 @@ def create_pooling_app(pooling: PoolingServing, settings: ServerSettings,
         pooling.batcher.stop()
 
     app = FastAPI(title="pagoda", version=pagoda.__version__, lifespan=lifespan)
+    install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:  # outermost, as in app.py
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

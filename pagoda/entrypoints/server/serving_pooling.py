@@ -62,6 +62,72 @@ class TEIEmbedRequest(BaseModel):
     dimensions: int | None = None
 
 
+# The response bodies, for the OpenAPI document (openapi.py); the handlers build them as dicts, so a large
+# batch of vectors is not validated field by field on its way out.
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    """Jina's and Cohere's answer; a TEI request (`texts`) gets a list of TEIRerankResult."""
+
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class TEIRerankResult(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
+
+
 def _encode(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # OpenAI's: the little-endian float32 bytes
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
@@ -220,5 +286,5 @@ def pooling_router(p: PoolingServing) -> APIRouter:
     return router
 
 
-__all__ = ["EmbeddingRequest", "PoolingServing", "RerankRequest", "ScoreRequest", "TEIEmbedRequest",
-           "pooling_router"]
+__all__ = ["EmbeddingRequest", "EmbeddingResponse", "PoolingServing", "RerankRequest", "RerankResponse",
+           "ScoreRequest", "ScoreResponse", "TEIEmbedRequest", "TEIRerankResult", "pooling_router"]
