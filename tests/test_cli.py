@@ -87,7 +87,7 @@ print(sorted(k for k in sys.modules if k.partition(".")[0] in {TEST_ONLY!r}))
 
 # Every command: its --help needs no torch (the heavy modules import it where they run, not at the top).
 LIGHT = [[], ["generate"], ["chat"], ["serve"], ["kernels"], ["bench", "serve"], ["bench", "structured"],
-         ["eval", "perplexity"], ["bench", "throughput"], ["bench", "quant"], ["quantize"]]
+         ["bench", "embed"], ["eval", "perplexity"], ["bench", "throughput"], ["bench", "quant"], ["quantize"]]
 
 
 @pytest.mark.parametrize("argv", [[*c, "--help"] for c in LIGHT] + [["--version"]], ids=" ".join)
