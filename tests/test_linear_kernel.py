@@ -133,3 +133,28 @@ def test_one_kernel_record_per_layer_from_the_weight_dtype_and_policy():
     odd = quantize_weight("int4", torch.randn(40, 128), 32)  # rows not a multiple of 16: no panels
     q40 = choose_linear_kernel(None, odd, None, torch.float32, auto)
     assert q40.qweight is odd and q40.stack_rows == (ANY_M if cpp_supported(odd) else 0)
+
+
+def _amx() -> bool:
+    from pagoda.kernels.cpu_extension import kernel_available
+
+    return kernel_available() and torch.ops.pagoda.amx_available()
+
+
+@pytest.mark.skipif(not _amx(), reason="the CPU (or this build) has no AMX-BF16")
+@pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (64, 48)])
+def test_bf16_panels_run_on_amx_with_one_order_at_every_row_count(k: int, n: int) -> None:
+    """Where the CPU has AMX, bf16 panels run on its tiles (cpu/amx_tile.h): a row's result is the same bits
+    alone and inside batches of any size (a strip of 16 padded with zero rows included), and the sums are
+    fp32's within bf16 rounding of the output."""
+    torch.manual_seed(0)
+    w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    panels = panel_pack(w)
+    x = torch.randn(40, k).bfloat16()
+    full = linear(x, w, b, False, panels=panels)
+    assert torch.equal(full, torch.ops.pagoda.amx_linear(x, panels, b))
+    for m in (1, 2, 15, 16, 17, 33):
+        assert torch.equal(linear(x[:m], w, b, False, panels=panels), full[:m])
+    assert torch.equal(linear(x[21:22], w, b, False, panels=panels)[0], full[21])
+    ref = x.float() @ w.float().T + b.float()
+    torch.testing.assert_close(full.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())

@@ -1,5 +1,6 @@
 // y = x @ w^T (+ bias) over a weight packed once at load into panels of 16 output columns
-// (kernels/linear.py: panel_pack), for fp32 (AVX-512 FMA) and bf16 (AVX512-BF16 dot products).
+// (kernels/linear.py: panel_pack), for fp32 (AVX-512 FMA) and bf16 (AMX tiles where the CPU has them:
+// amx_tile.h; else AVX512-BF16 dot products).
 //
 // Packed layout: fp32 [N/16][K][16]; bf16 [N/16][K/2][16][2], pairs along K as vdpbf16ps takes them.
 // Either way one 64-byte vector holds a panel's 16 columns at one step of K. A tile of 8 x-rows x 48
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "amx_tile.h"
 #include "dispatch_rows.h"
 #include "panel_tile.h"
 
@@ -92,6 +94,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == dt, "packed_linear: bias");
   at::Tensor y = at::empty({M, N}, x.options());
+#if defined(PAGODA_AMX)
+  // bf16 on AMX wherever the CPU has it, at every row count (one summation order per output: amx_tile.h).
+  if (bf16 && K % pagoda_amx::kBlockK == 0 && pagoda_amx::available()) {
+    pagoda_amx::linear(x.const_data_ptr<c10::BFloat16>(), M, K, packed.const_data_ptr<c10::BFloat16>(),
+                       bias.has_value() ? bias->const_data_ptr<c10::BFloat16>() : nullptr,
+                       y.mutable_data_ptr<c10::BFloat16>(), N);
+    return y;
+  }
+#endif
 #if defined(__AVX512F__)
   if (bf16) run<c10::BFloat16>(x, packed, bias, y);
   else run<float>(x, packed, bias, y);
@@ -107,10 +118,39 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 }
 }  // namespace pagoda_cpu
 
+bool amx_available() {
+#if defined(PAGODA_AMX)
+  return pagoda_amx::available();
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_available(), "amx_linear: this build or CPU has no AMX-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && x.size(1) % 32 == 0 &&
+                  packed.size(1) * 2 == x.size(1),
+              "amx_linear: x [M, K] bf16 with K a multiple of 32, and its weight from panel_pack");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kPanel;
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(PAGODA_AMX)
+  pagoda_amx::linear(x.const_data_ptr<c10::BFloat16>(), M, K, packed.const_data_ptr<c10::BFloat16>(),
+                     bias.has_value() ? bias->const_data_ptr<c10::BFloat16>() : nullptr,
+                     y.mutable_data_ptr<c10::BFloat16>(), N);
+#else
+  (void)bias;
+#endif
+  return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
+  m.def("amx_available() -> bool", &amx_available);
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("packed_linear", &packed_linear);
+  m.impl("amx_linear", &amx_linear);
 }
