@@ -110,6 +110,18 @@ class SchedulerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Batched multi-LoRA (pagoda/lora/): adapters of the served model, several in one batch."""
+    enable_lora: bool = False
+    max_loras: int = 4       # adapters resident at once (slots); least recently used idle one is replaced
+    max_lora_rank: int = 16  # the largest rank an adapter may have (slots are sized by it)
+
+    def validate(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be positive")
+
+
+@dataclass
 class StructuredOutputsConfig:
     backend: str = "auto"  # grammar library: auto (xgrammar, else llguidance), xgrammar, guidance
     # Append the text a grammar forces (JSON keys, punctuation) in one step instead of one step per token.
@@ -152,6 +164,12 @@ class PoolingConfig:
     max_queue_delay_ms: float = 2.0
     cpus: str | None = None
     threads: int | None = None
+    # A causal LM (executor/prefill_runner.py) runs on the engine's kernels and weight formats.
+    kernels: str = "auto"
+    quantization: str | None = None
+    # A causal LM as a reranker: a pair's score is the softmax over these tokens' logits at its last position,
+    # the last token's probability (Qwen3-Reranker: ["no", "yes"]; vLLM's name). One token: the sigmoid of its logit.
+    classifier_from_token: list[str] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kw: Any) -> "PoolingConfig":
@@ -169,6 +187,8 @@ class PoolingConfig:
             raise ValueError("max_queue_delay_ms must be a non-negative number of milliseconds")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
+        if self.classifier_from_token is not None and len(self.classifier_from_token) not in (1, 2):
+            raise ValueError("classifier_from_token names one token or two (e.g. no,yes)")
         from pagoda.cpus import resolve
 
         resolve(self.cpus, self.threads)
@@ -205,6 +225,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kw: Any) -> "EngineConfig":
@@ -213,10 +234,11 @@ class EngineConfig:
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
         policy_keys = {"scheduling_policy"}
         structured_keys = {f"structured_outputs_{f}" for f in StructuredOutputsConfig.__dataclass_fields__}
+        lora_keys = set(LoRAConfig.__dataclass_fields__)
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
                     "quantization_group_size", "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size",
                     "cpus", "threads"}
-        unknown = set(kw) - cache_keys - sched_keys - policy_keys - structured_keys - top_keys
+        unknown = set(kw) - cache_keys - sched_keys - policy_keys - structured_keys - lora_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         cfg = cls(model=model, **{k: v for k, v in kw.items() if k in top_keys and v is not None})
@@ -226,6 +248,7 @@ class EngineConfig:
             cfg.scheduler.policy = kw["scheduling_policy"]
         cfg.structured = StructuredOutputsConfig(**{k.removeprefix("structured_outputs_"): v for k, v in kw.items()
                                                     if k in structured_keys and v is not None})
+        cfg.lora = LoRAConfig(**{k: v for k, v in kw.items() if k in lora_keys and v is not None})
         if cfg.cache.block_size <= 0:
             raise ValueError("block_size must be positive")
         if cfg.scheduler.max_num_seqs <= 0 or cfg.scheduler.max_num_batched_tokens <= 0:
@@ -258,6 +281,9 @@ class EngineConfig:
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
         self.structured.validate()
+        self.lora.validate()
+        if self.lora.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora runs on one rank: tensor_parallel_size must be 1")
         from pagoda.cpus import resolve
 
         resolve(self.cpus, self.threads)
