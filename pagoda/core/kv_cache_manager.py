@@ -2,7 +2,7 @@
 
 It gives copy-on-write forks for parallel sampling, and prefix caching: every full block gets a
 hash chained from its parent's (SHA-256 over the parent hash and the block's token ids; the root
-covers the model, the KV dtype and the request's cache_salt). A new sequence reuses the longest
+covers the model, the KV dtype, the request's cache_salt and its LoRA adapter). A new sequence reuses the longest
 run of cached full blocks and computes only the rest. SHA-256 makes a collision, and so wrong KV,
 practically impossible; no token-id recheck is needed.
 
@@ -67,11 +67,13 @@ class KVCacheManager:
     def _block_hash(self, parent: BlockHash, tokens: list[int]) -> BlockHash:
         return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
-    def _root_for(self, salt: str | None) -> BlockHash:
-        return self._root if not salt else hashlib.sha256(self._root + b"salt:" + salt.encode()).digest()
+    def _root_for(self, salt: str | None, adapter: str | None = None) -> BlockHash:
+        root = self._root if not salt else hashlib.sha256(self._root + b"salt:" + salt.encode()).digest()
+        return root if adapter is None else hashlib.sha256(root + b"lora:" + adapter.encode()).digest()
 
     # ---- prefix cache --------------------------------------------------------------------------
-    def acquire_cached_prefix(self, seq_id: int, token_ids: list[int], salt: str | None) -> int:
+    def acquire_cached_prefix(self, seq_id: int, token_ids: list[int], salt: str | None,
+                              adapter: str | None = None) -> int:
         """Take references on the longest cached prefix of full blocks for a sequence with no KV yet.
 
         Returns the number of tokens whose KV is reused. At least the last token is left to compute,
@@ -82,7 +84,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes: list[BlockHash] = []
         blocks: list[int] = []
-        parent = self._root_for(salt)
+        parent = self._root_for(salt, adapter)
         for i in range((len(token_ids) - 1) // bs):
             h = self._block_hash(parent, token_ids[i * bs:(i + 1) * bs])
             b = self.pool.lookup(h)
@@ -100,14 +102,15 @@ class KVCacheManager:
         self._hashes[seq_id] = hashes
         return num_cached
 
-    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int, salt: str | None) -> None:
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int, salt: str | None,
+                          adapter: str | None = None) -> None:
         """Register the sequence's newly completed full blocks (their KV is now written)."""
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes.setdefault(seq_id, [])
         table = self.block_tables[seq_id]
         bs = self.block_size
-        parent = hashes[-1] if hashes else self._root_for(salt)
+        parent = hashes[-1] if hashes else self._root_for(salt, adapter)
         for i in range(len(hashes), num_computed // bs):
             parent = self._block_hash(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(parent)

@@ -14,6 +14,7 @@ from pagoda.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from pagoda.lora.request import LoRARequest
     from pagoda.model.tokenizer import IncrementalDecoder
     from pagoda.structured.backend import Matcher
 
@@ -82,6 +83,9 @@ class Request:
     error: str | None = None        # set when the engine failed this request (finish_reason "error")
     error_status: int = 500         # 400: the request's own fault (its constraint); 500: the engine's
     grammar: "Future | None" = None  # its compiled grammar (structured outputs), ready before it is scheduled
+    lora_request: "LoRARequest | None" = None  # its adapter, or None: the base model
+    lora_slot: int = -1             # the adapter slot it pinned (-1: none yet, or the base model)
+    lora_key: str | None = None     # its adapter's digest: keys its prefix cache entries apart from others'
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=time.time())

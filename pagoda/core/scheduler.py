@@ -231,7 +231,8 @@ class Scheduler:
         if seq.num_computed_tokens or (req.prompt_logprobs is not None
                                        and len(req.prompt_logprobs) < len(req.prompt_token_ids)):
             return 0  # prompt logprobs still owed need the logits of those prompt positions
-        seq.num_computed_tokens = self.kv.acquire_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+        seq.num_computed_tokens = self.kv.acquire_cached_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
+                                                                  seq.request.lora_key)
         return seq.num_computed_tokens
 
     def _preempt(self, seq: Sequence) -> None:
@@ -264,7 +265,8 @@ class Scheduler:
             rejected = num_rejected.get(row)
             seq.num_computed_tokens += n - (rejected or 0)
             seq.spec_token_ids = []
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt)
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt,
+                                         seq.request.lora_key)
             if rejected is not None:
                 self.kv.trim(seq.seq_id, seq.num_computed_tokens)
             self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)

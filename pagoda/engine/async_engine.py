@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.engine.stats import EngineStats
 from pagoda.engine.step_turns import StepTurns
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -82,6 +83,7 @@ class AddRequest:
     cache_salt: str | None = None
     client: str | None = None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -140,6 +142,10 @@ class AsyncEngine:
         """Tokenizer, chat template, checks and grammar compiles: the front every route goes through."""
         return self.engine.input_processor
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter against the model, from any thread; ValueError naming it otherwise."""
+        self.engine.check_lora(lora_request)
+
     @property
     def step_seconds(self) -> float:
         """How long the step under way has run (0 between steps): a rank that stopped shows here first."""
@@ -191,7 +197,8 @@ class AsyncEngine:
 
     async def add_requests(self, prompts: list[tuple[str | list[int], str]], params: SamplingParams,
                            cache_salt: str | None = None, client: str | None = None,
-                           priority: int = 0) -> list[tuple[str, asyncio.Queue]]:
+                           priority: int = 0, lora_request: LoRARequest | None = None,
+                           ) -> list[tuple[str, asyncio.Queue]]:
         """Queue every (prompt, request id) at once, in one hand-off to the worker (which adds them all before
         its next step), or none: where one is refused, the others are aborted and its error is raised.
         Cancelled (the client left), every one of them is aborted."""
@@ -202,7 +209,7 @@ class AsyncEngine:
         # Validation reads every token id: off the event loop, before anything is queued.
         processed = await asyncio.to_thread(lambda: [self.input_processor.process(p, params) for p, _ in prompts])
         loop = asyncio.get_running_loop()
-        adds = [AddRequest(proc, rid, _Stream(loop), loop.create_future(), cache_salt, client, priority)
+        adds = [AddRequest(proc, rid, _Stream(loop), loop.create_future(), cache_salt, client, priority, lora_request)
                 for proc, (_, rid) in zip(processed, prompts)]
         with self._cond:
             # Checked again under the lock: a worker dying after the check above must not strand these adds.
@@ -315,7 +322,7 @@ class AsyncEngine:
             if isinstance(cmd, AddRequest):
                 try:
                     req = self.engine.add_processed(cmd.processed, cmd.request_id, cmd.cache_salt, cmd.client,
-                                                   cmd.priority)
+                                                   cmd.priority, cmd.lora_request)
                 except Exception as e:  # ValueError for bad input: the caller gets it
                     self._reject(cmd, e)
                     continue

@@ -14,19 +14,20 @@ from typing import Any, TypeVar
 import torch
 
 from pagoda.config import EngineConfig, resolve_dtype
+from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, Sequence
+from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.cpus import affinity
 from pagoda.cpus import resolve as resolve_cpus
-from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.distributed.errors import WorkerDiedError
-from pagoda.core.emitted import Emitted
 from pagoda.engine.input_processor import InputProcessor, ProcessedRequest
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.core.request import Request, Sequence
 from pagoda.engine.stats import EngineStats
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.executor.multiproc import TensorParallelRunner
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from pagoda.lora.request import LoRARequest
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import resolve_model_files
 from pagoda.model.tokenizer import load_tokenizer
@@ -91,6 +92,9 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, namespace,
                                  sliding_window=self.args.kv_window)
         self.scheduler = Scheduler(sched_cfg, self.kv)
+        # Adapter slots (config.lora); requests whose adapter finds every slot pinned wait here for one.
+        self.lora = self.runner.lora if isinstance(self.runner, ModelRunner) else None
+        self._awaiting_lora: list[Request] = []
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.args.vocab_size, config.structured,
@@ -115,17 +119,19 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    client: str | None = None, priority: int = 0) -> Request:
+                    client: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Validate (the input processor) and queue a request. Raises ValueError for anything that can never run."""
         return self.add_processed(self.input_processor.process(prompt, params), request_id, cache_salt, client,
-                                  priority)
+                                  priority, lora_request)
 
     def add_processed(self, processed: ProcessedRequest, request_id: str | None = None,
-                      cache_salt: str | None = None, client: str | None = None, priority: int = 0) -> Request:
+                      cache_salt: str | None = None, client: str | None = None, priority: int = 0,
+                      lora_request: LoRARequest | None = None) -> Request:
         """Queue a request the input processor has checked. Raises ValueError where this engine's KV pool can
         never hold it or its id is in use. `client` names whose fair share of the seats it takes (the
         scheduler's rule); None makes it its own. `priority` orders it among others under the priority
-        scheduling policy, lower first."""
+        scheduling policy, lower first. `lora_request` runs it with that adapter (ValueError where it cannot
+        be served); where every adapter slot is pinned by running requests it waits for one."""
         ids, params, max_tokens = processed.prompt_token_ids, processed.params, processed.max_tokens
         need = self.kv.max_blocks_held(len(ids) + max_tokens, self.config.scheduler.max_num_batched_tokens)
         if need > self.kv.pool.num_blocks:
@@ -134,18 +140,66 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._req_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if lora_request is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is off: start the "
+                             "engine with enable_lora (--enable-lora)")
         req = Request(rid, processed.prompt, ids, params, max_tokens, cache_salt=cache_salt, client=client,
-                      priority=priority, stop_ids=self.outputs.stop_ids(params))
+                      priority=priority, stop_ids=self.outputs.stop_ids(params), lora_request=lora_request)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))
-        if processed.grammar is not None:
-            req.grammar = processed.grammar
-            self._awaiting_grammar.append(req)  # scheduled once its grammar is ready (_admit_grammars)
+        req.grammar = processed.grammar
+        if lora_request is not None and not self._pin_lora(req):
+            self._awaiting_lora.append(req)  # admitted once a slot frees (_admit_loras)
         else:
-            self.scheduler.add(req.seqs[0])
+            self._enqueue(req)
         self.requests[rid] = req
         return req
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read an adapter and check it against the model (any thread: no slot is touched); ValueError naming
+        it where it cannot be served."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is off (start with --enable-lora)")
+        self.lora.check(lora_request)
+
+    def _enqueue(self, req: Request) -> None:
+        """Schedule a request, or hold it until its grammar is ready (_admit_grammars)."""
+        if req.grammar is not None:
+            self._awaiting_grammar.append(req)
+        else:
+            self.scheduler.add(req.seqs[0])
+
+    def _pin_lora(self, req: Request) -> bool:
+        """Pin req's adapter in a slot (loading it); False when every slot is pinned. ValueError: a bad adapter."""
+        assert self.lora is not None and req.lora_request is not None
+        slot = self.lora.acquire(req.lora_request)
+        if slot is None:
+            return False
+        req.lora_slot, req.lora_key = slot, self.lora.key(slot)
+        return True
+
+    def _release_lora(self, req: Request) -> None:
+        if self.lora is not None and req.lora_slot >= 0:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
+
+    def _admit_loras(self) -> list[Request]:
+        """Admit the requests waiting for an adapter slot, in order, while slots free; return those whose
+        adapter failed to load."""
+        failed = []
+        for req in list(self._awaiting_lora):
+            try:
+                if not self._pin_lora(req):
+                    break  # FIFO: a later request does not take the slot an earlier one waits for
+            except ValueError as e:
+                self._awaiting_lora.remove(req)
+                self._fail_request(req, str(e), 400)
+                failed.append(req)
+                continue
+            self._awaiting_lora.remove(req)
+            self._enqueue(req)
+        return failed
 
     def _admit_grammars(self) -> list[Request]:
         """Schedule the structured requests whose grammar is ready; return those whose grammar failed."""
@@ -224,6 +278,9 @@ class LLMEngine:
         req.aborted = True
         if req in self._awaiting_grammar:
             self._awaiting_grammar.remove(req)
+        if req in self._awaiting_lora:
+            self._awaiting_lora.remove(req)
+        self._release_lora(req)
         for seq in req.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
@@ -288,7 +345,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
-        touched: dict[str, Request] = {r.request_id: r for r in self._admit_grammars()}
+        touched: dict[str, Request] = {r.request_id: r for r in self._admit_loras() + self._admit_grammars()}
         if self.speculator is not None:  # proposals first: the scheduler budgets and allocates for them
             self.speculator.propose(self.scheduler, self.max_model_len)
         sched = self.scheduler.schedule()
@@ -357,6 +414,7 @@ class LLMEngine:
             results.append(output if output is not None else self._final_output(req))
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                self._release_lora(req)
         return results
 
     def _append_emitted(self, emitted: list[Emitted], touched: dict[str, Request]) -> None:
@@ -438,6 +496,9 @@ class LLMEngine:
                 seq.finish_reason = "error"
                 self.scheduler.finish(seq)
         self.requests.pop(req.request_id, None)
+        if req in self._awaiting_lora:
+            self._awaiting_lora.remove(req)
+        self._release_lora(req)
 
     def _final_output(self, req: Request) -> RequestOutput:
         """The output of a failed request, built without the output processor (which may be what failed)."""

@@ -58,6 +58,11 @@ def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
                    help="int4 group size (default 128; 64/32 where the input size needs it)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage dtype (default auto = the compute dtype)")
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve PEFT LoRA adapters of the model, several in one batch (docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapters resident at once; the least recently used idle one is replaced (default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest LoRA rank served (default 16)")
     if decoding:
         p.add_argument("--scheduling-policy", default=None, choices=["priority", "fcfs"],
                        help="priority (default): requests go by their `priority` field, lower first, and may take a "
@@ -108,7 +113,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
             "int4_activations", "kernel_tuning", "tensor_parallel_size", "cpus", "threads",
             "structured_outputs_compile_workers",
-            "structured_outputs_compile_timeout", "structured_outputs_compile_memory"]
+            "structured_outputs_compile_timeout", "structured_outputs_compile_memory",
+            "enable_lora", "max_loras", "max_lora_rank"]
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

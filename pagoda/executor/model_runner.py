@@ -18,6 +18,7 @@ from pagoda.kernels.paged_attention import k_cache_shape
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.lora.manager import LoRAManager
 from pagoda.model.args import ModelArgs
 from pagoda.model.loader import ModelFiles
 from pagoda.model.registry import model_class
@@ -107,6 +108,8 @@ class ModelRunner:
             assert comm is not None
             parallelize(model, shard, comm)
         self.model = model.eval()
+        # Adapter slots in the model's Linears, where LoRA is on (tensor parallelism is refused with it: config.py).
+        self.lora = LoRAManager(model, config.lora, dtype) if config.lora.enable_lora else None
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] = []  # 8-bit kv_cache_dtype only
@@ -164,6 +167,8 @@ class ModelRunner:
         self.copy_blocks(step.block_copies)
         batch = step.batch
         dev = self.device
+        if self.lora is not None:
+            self.lora.mapping.set(step.lora_slots, batch.query_start, dev)
         hidden = self.model(torch.tensor(batch.input_ids, device=dev), torch.tensor(batch.positions, device=dev),
                             batch.metadata(dev), num_layers=step.num_layers)
         sample_idx = step.sample_idx
@@ -200,6 +205,8 @@ class StepInput:
     spec_spans: dict[int, tuple[int, int]] = field(default_factory=dict)    # row -> (flat offset, 1 + k)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_layers: int | None = None         # early exit (self-speculative drafts)
+    # Each row's LoRA slot (-1: the base model); empty: every row runs the base model (drafts do too).
+    lora_slots: list[int] = field(default_factory=list)
 
 
 def step_input(sched: SchedulerOutput, block_tables: dict[int, list[int]], block_size: int) -> StepInput:
@@ -222,6 +229,9 @@ def step_input(sched: SchedulerOutput, block_tables: dict[int, list[int]], block
         if end == seq.num_tokens:  # the chunk reaches the last token: it samples
             step.sample_idx.append(offset + n - 1)
             step.sample_rows.append(row)
+    slots = [seq.request.lora_slot for seq in sched.seqs]
+    if any(s >= 0 for s in slots):
+        step.lora_slots = slots
     return step
 
 

@@ -9,6 +9,7 @@ from pagoda.kernels.decoder_stack import LinearArgs
 from pagoda.kernels.linear_kernel import LinearKernel, choose_linear_kernel
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.kernels.quant_linear import PackedWeight, quant_linear
+from pagoda.lora.layer import LoRASlots
 
 
 class Linear(nn.Linear):
@@ -19,6 +20,7 @@ class Linear(nn.Linear):
 
     qweight: PackedWeight | None = None
     matmul: LinearKernel | None = None  # the kernel this layer runs, chosen by prepare()
+    lora: LoRASlots | None = None  # its adapters' updates, added after the base op (lora/layer.py)
 
     def set_quantized(self, pw: PackedWeight) -> None:
         if (pw.out_features, pw.in_features) != (self.out_features, self.in_features):
@@ -43,9 +45,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul is not None:
-            return self.matmul.run(x)
-        if self.qweight is not None:  # before prepare(): the reference paths
-            return quant_linear(x, self.qweight, self.bias, False)
-        return F.linear(x, self.weight, self.bias)
+            y = self.matmul.run(x)
+        elif self.qweight is not None:  # before prepare(): the reference paths
+            y = quant_linear(x, self.qweight, self.bias, False)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_to(y, x)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

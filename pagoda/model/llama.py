@@ -19,6 +19,7 @@ from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quant_embedding import QuantEmbedding
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.lora.layer import LoRAMapping
 from pagoda.model.args import ModelArgs
 from pagoda.model.weights import fused_target
 
@@ -114,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.stack: DecoderStack | None = None  # the layers as one C++ op for few-row steps (prepare())
+        self.lora: LoRAMapping | None = None  # the step's adapter rows, where LoRA is on (lora/manager.py)
 
     def _mlp(self, a: ModelArgs, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP where it is not LlamaMLP (None): a MoE model's sparse blocks (model/moe.py)."""
@@ -127,6 +129,14 @@ class LlamaForCausalLM(nn.Module):
             return name
         return ".".join(self.hf_renames.get(part, part) for part in name.split("."))
 
+    def part_rows(self, fused: str, total: int) -> list[int]:
+        """Output rows of each HF projection a fused Linear named `fused` (`packed_modules`) holds, in order."""
+        a = self.args
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}  # other parts (gate|up): equal shares
+        parts = self.packed_modules[fused]
+        return [sizes.get(p, total // len(parts)) for p in parts]
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
@@ -135,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [T, hidden]. `num_layers` exits early (self-speculative drafts)."""
         x = self.embed_tokens(input_ids)
         stack = self.stack
-        if stack is not None and stack.takes(x):
+        # The C++ stack runs no LoRA: a step with adapter rows goes layer by layer.
+        if stack is not None and (self.lora is None or not self.lora.active) and stack.takes(x):
             x, residual = stack(x, positions, meta, len(self.layers) if num_layers is None else num_layers)
             return self.norm(x, residual)
         residual = None
@@ -181,8 +192,6 @@ class LlamaForCausalLM(nn.Module):
         one (`packed_modules`); returns the names loaded (model/weights.py drives this and checks them)."""
         params = dict(self.named_parameters())
         a = self.args
-        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}  # other parts (gate|up): equal shares
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -197,8 +206,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             dst = params[target].data
             if count > 1:  # its slice of the fused rows
-                parts = self.packed_modules[path.rpartition(".")[2]]
-                rows = [sizes.get(q, dst.shape[0] // count) for q in parts]
+                rows = self.part_rows(path.rpartition(".")[2], dst.shape[0])
                 dst = dst.narrow(0, sum(rows[:index]), rows[index])
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")

@@ -24,6 +24,7 @@ from pagoda.entrypoints.server.serving import Serving
 from pagoda.entrypoints.server.serving_batches import BatchesServing, CreateBatchRequest, in_process_client
 from pagoda.entrypoints.server.serving_chat import ChatServing
 from pagoda.entrypoints.server.serving_completions import create_completion, render_completion
+from pagoda.entrypoints.server.serving_lora import lora_router
 from pagoda.entrypoints.server.serving_messages import CountTokensRequest, MessagesRequest, MessagesServing
 from pagoda.entrypoints.server.serving_pooling import PoolingServing, pooling_router
 from pagoda.entrypoints.server.serving_responses import ResponsesRequest, ResponsesServing
@@ -183,13 +184,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, metrics: ServerMet
     @v1.get("/models")
     async def models() -> P.ModelList:
         cards = [P.ModelCard(id=name, root=settings.model_root or name, max_model_len=inputs.max_model_len)
-                 for name in names]
+                 for name in names] + s.loras.cards(inputs.max_model_len)
         if pooling is not None:  # the embedding model served beside the chat model
             cards += [P.ModelCard(id=name, root=pooling.runner.folder, max_model_len=pooling.runner.max_model_len)
                       for name in pooling.names]
         return P.ModelList(data=cards)
 
     app.include_router(v1)
+    app.include_router(lora_router(s.loras))
     if pooling is not None:
         app.include_router(pooling_router(pooling))
 

@@ -370,6 +370,17 @@ class ModelList(_Model):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(_Model):
+    """vLLM's /v1/load_lora_adapter body: a PEFT folder served under `lora_name`."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    lora_name: str
+    lora_int_id: int | None = None  # accepted for vLLM's clients; the name decides
+
+
 class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None

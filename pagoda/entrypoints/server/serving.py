@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from pagoda.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagoda.entrypoints.server import protocol as P
 from pagoda.entrypoints.server.errors import APIError, bad_request, error_body
+from pagoda.entrypoints.server.serving_lora import LoRAAdapters
 from pagoda.entrypoints.server.settings import ServerSettings
 from pagoda.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -201,6 +202,9 @@ class Serving:
         self.tokenizer = self.inputs.tokenizer
         self.names = settings.served_model_names
         self._compile_waiters: dict[Future, int] = {}  # requests awaiting each grammar compile
+        self.loras = LoRAAdapters(engine, self.names)  # adapters chosen by the `model` field
+        for name, path in settings.lora_modules.items():
+            self.loras.load_now(name, path)
 
     def retry_later(self, message: str) -> APIError:
         """A 503 that tells the client when to try again (shutting down, a full queue, a dead engine)."""
@@ -209,8 +213,9 @@ class Serving:
     def check_model(self, model: str | None) -> str:
         if model is None:
             return self.names[0]
-        if model not in self.names and model not in self.settings.model_aliases:
-            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.names)}", "model")
+        if model not in self.names and model not in self.settings.model_aliases and model not in self.loras:
+            served = ", ".join([*self.names, *self.loras.adapters])
+            raise APIError(404, f"The model `{model}` does not exist. Served: {served}", "model")
         return model
 
     def check_capacity(self, num_new: int) -> None:
@@ -275,8 +280,10 @@ class Serving:
         """Queue every prompt in one hand-off to the engine, or none: a bad one raises a 400. A client that
         leaves meanwhile (`request`) has them all aborted."""
         ids = [(prompt, base_id if len(prompts) == 1 else f"{base_id}-{i}") for i, prompt in enumerate(prompts)]
+        lora = self.loras.get(getattr(body, "model", None))
         adding = asyncio.create_task(self.engine.add_requests(ids, params, body.cache_salt,
-                                                              fair_share_client(body, request), body.priority))
+                                                              fair_share_client(body, request), body.priority,
+                                                              lora))
         gone = asyncio.create_task(_until_disconnected(request))
         try:
             done, _ = await asyncio.wait({adding, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -22,6 +22,7 @@ class ServerSettings:
     step_timeout: float = 60.0  # seconds one engine step may run before /health answers 503
     batch_dir: Path | None = None  # /v1/files and /v1/batches keep their files here; None: those routes are off
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served at start, name -> folder
 
 
 @dataclass
