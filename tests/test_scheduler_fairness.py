@@ -6,22 +6,23 @@ import itertools
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.scheduler import Scheduler
 from pagoda.core.request import Request, Sequence
+from pagoda.core.scheduler import Scheduler
 from pagoda.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
 
-def make(prompt_len: int, client: str | None = None, n: int = 1) -> Request:
-    req = Request(f"r{next(_ids)}", None, list(range(1, prompt_len + 1)), SamplingParams(n=n), 64, client=client)
+def make(prompt_len: int, client: str | None = None, n: int = 1, priority: int = 0) -> Request:
+    req = Request(f"r{next(_ids)}", None, list(range(1, prompt_len + 1)), SamplingParams(n=n), 64, client=client,
+                  priority=priority)
     for i in range(n):
         req.seqs.append(Sequence(next(_ids), req, i, list(req.prompt_token_ids), prompt_len))
     return req
 
 
-def scheduler(max_seqs: int, budget: int, blocks: int = 256) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+def scheduler(max_seqs: int, budget: int, blocks: int = 256, policy: str = "priority") -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
                      KVCacheManager(blocks, 4, enable_prefix_caching=False))
 
 

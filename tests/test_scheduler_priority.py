@@ -2,40 +2,18 @@
 seat or the KV blocks of the newest running sequence of lower priority (vLLM's rule); fcfs ignores it."""
 from __future__ import annotations
 
-import itertools
-
-from pagoda.config import SchedulerConfig
-from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.request import Request, Sequence
+from pagoda.core.request import Request
 from pagoda.core.scheduler import Scheduler
-from pagoda.sampling_params import SamplingParams
-
-_ids = itertools.count()
-
-
-def make(prompt_len: int, priority: int = 0, client: str | None = None) -> Request:
-    req = Request(f"r{next(_ids)}", None, list(range(1, prompt_len + 1)), SamplingParams(), 64, client=client,
-                  priority=priority)
-    req.seqs.append(Sequence(next(_ids), req, 0, list(req.prompt_token_ids), prompt_len))
-    return req
+from tests.test_scheduler_fairness import make, run
+from tests.test_scheduler_fairness import scheduler as _scheduler
 
 
-def scheduler(policy: str, max_seqs: int = 4, budget: int = 64, blocks: int = 256) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
-                     KVCacheManager(blocks, 4, enable_prefix_caching=False))
-
-
-def run(sched: Scheduler, steps: int = 1) -> None:
-    for _ in range(steps):
-        out = sched.schedule()
-        for seq, n in zip(out.seqs, out.num_scheduled):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(7)
+def scheduler(policy: str, max_seqs: int = 4, blocks: int = 256) -> Scheduler:
+    return _scheduler(max_seqs, 64, blocks, policy)
 
 
 def fill(sched: Scheduler, count: int, priority: int) -> list[Request]:
-    reqs = [make(8, priority, client=f"bulk{i}") for i in range(count)]
+    reqs = [make(8, client=f"bulk{i}", priority=priority) for i in range(count)]
     for r in reqs:
         sched.add(r.seqs[0])
     run(sched, 2)
