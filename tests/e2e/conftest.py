@@ -40,6 +40,15 @@ class ServerProcess:
                     **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
 
+    def __enter__(self) -> "ServerProcess":
+        """`with ServerProcess(...) as srv:` waits until it is ready, and stops it and removes its log after."""
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        os.unlink(self.log.name)
+
     def log_tail(self, n: int = 4000) -> str:
         self.log.flush()
         return Path(self.log.name).read_text(errors="replace")[-n:]

@@ -4,7 +4,6 @@ next start, answering every line exactly once."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -74,9 +73,7 @@ def test_a_killed_server_resumes_its_job_answering_every_line_exactly_once(tmp_p
         srv.stop()
     assert at_kill.status == "in_progress" and at_kill.request_counts.completed < 150  # killed mid-job
 
-    srv = ServerProcess(*flags)
-    try:
-        srv.wait_ready()
+    with ServerProcess(*flags) as srv:
         client = client_of(srv)
         batch = wait_for(client, batch_id, lambda b: b.status in ("completed", "failed", "cancelled"))
         assert batch.status == "completed"
@@ -96,15 +93,10 @@ def test_a_killed_server_resumes_its_job_answering_every_line_exactly_once(tmp_p
             i = int(r["custom_id"][2:])
             chat = client.chat.completions.create(**json.loads(lines[i])["body"])
             assert r["response"]["body"]["choices"][0]["message"]["content"] == chat.choices[0].message.content
-    finally:
-        srv.stop()
-        os.unlink(srv.log.name)
 
 
 def test_files_and_batches_list_cancel_and_refuse_what_they_cannot_run(tmp_path: Path) -> None:
-    srv = ServerProcess(*FLAGS, "--batch-dir", str(tmp_path), "--max-num-seqs", "2")
-    try:
-        srv.wait_ready()
+    with ServerProcess(*FLAGS, "--batch-dir", str(tmp_path), "--max-num-seqs", "2") as srv:
         client = client_of(srv)
         batch_id = submit(client, job_lines(40, max_tokens=64))
         assert batch_id in [b.id for b in client.batches.list()]
@@ -113,7 +105,7 @@ def test_files_and_batches_list_cancel_and_refuse_what_they_cannot_run(tmp_path:
         assert client.files.retrieve(cancelled.input_file_id).purpose == "batch"
         assert {f.id for f in client.files.list()} >= {cancelled.input_file_id, cancelled.output_file_id}
         with pytest.raises(openai.BadRequestError):
-            client.batches.create(input_file_id=cancelled.input_file_id, endpoint="/v1/embeddings",
+            client.batches.create(input_file_id=cancelled.input_file_id, endpoint="/v1/audio/transcriptions",
                                   completion_window="24h")
         with pytest.raises(openai.NotFoundError):
             client.batches.retrieve("batch-../../etc")
@@ -122,9 +114,6 @@ def test_files_and_batches_list_cancel_and_refuse_what_they_cannot_run(tmp_path:
         client.files.delete(cancelled.input_file_id)
         with pytest.raises(openai.NotFoundError):
             client.files.retrieve(cancelled.input_file_id)
-    finally:
-        srv.stop()
-        os.unlink(srv.log.name)
 
 
 def test_batch_run_answers_a_file_offline_in_input_order(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 BATCH_PRIORITY = 2**31 - 1  # the lowest priority a request can have (protocol.Priority)
 MAX_LINES = 50_000          # as OpenAI's limit per job
-# POSTs a line may name: the generation routes (stream forced off).
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+# POSTs a line may name: the generation routes (stream forced off), and embeddings where the server has them.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings")
 
 # Sends one line's body to its route: (HTTP status, the JSON answer).
 Send = Callable[[str, dict[str, Any]], Awaitable[tuple[int, Any]]]
