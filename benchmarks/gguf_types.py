@@ -1,0 +1,138 @@
+"""GGUF presets as people download them, against llama.cpp on the same files:
+`python -m benchmarks.gguf_types [--presets Q4_K_M Q5_K_M ...]`.
+
+The embedded SmolLM2's weights (its Q4_1 file dequantized) are written as an F16 GGUF (gguf-py), and llama.cpp's
+own quantizer (llama-cpp-python's `llama_model_quantize`, from `bash scripts/install-peers.sh llama`) makes each
+preset from it. Per file: the tensor types it holds, its size against Pagoda's resident weight bytes under
+`-q gguf` (as stored), perplexity on the same token windows (Pagoda fp32 against llama.cpp), batch-1 decode and
+32 concurrent requests (Pagoda bf16 against llama.cpp, two threads each). Prints one table.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+# llama.cpp's llama_ftype values of the presets (llama.h).
+FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17,
+          "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "MXFP4_MOE": 38}
+
+
+def float_copy(src: str, dst: str) -> None:
+    """`src` rewritten with every tensor dequantized: 2-D in F16, the rest in F32; metadata as it is."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        values = dequantize(t.data, t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, values.astype(np.float16) if values.ndim == 2 else values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+QUANTIZE = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
+"""
+
+
+def llama_quantize(python: str, src: str, dst: str, preset: str) -> None:
+    subprocess.run([python, "-c", QUANTIZE, src, dst, str(FTYPES[preset])], check=True, capture_output=True)
+
+
+def tensor_types(path: str) -> str:
+    from gguf.constants import GGMLQuantizationType as T
+
+    from pagoda.model.gguf_loader import GGUFFile
+
+    counts = Counter(T(info.qtype).name for info in GGUFFile(path).tensors.values() if len(info.dims) == 2)
+    return ", ".join(f"{n} {k}" for k, n in counts.most_common())
+
+
+def measure(path: str, python: str, ids: list[int]) -> dict:
+    from pagoda import LLM, SamplingParams
+    from pagoda.bench.llama_cpp_peer import run_llama_cpp
+    from pagoda.bench.quant_table import weight_bytes
+    from pagoda.eval.perplexity import perplexity, sliding_windows
+
+    row: dict = {"file_mib": Path(path).stat().st_size / 2**20, "types": tensor_types(path)}
+    llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="128MiB")
+    row["resident_mib"] = weight_bytes(llm.engine.runner.model) / 2**20
+    row["ppl"] = perplexity(llm, ids, 256, 128).perplexity
+    del llm
+    windows = sliding_windows(len(ids), 256, 128)
+    prompt = ids[:32]
+    peer = run_llama_cpp(path, python=python, perplexity=([ids[w.begin:w.end] for w in windows],
+                                                          [w.end - w.begin - w.num_scored for w in windows]),
+                         batch1=(prompt, 128), batch1_repeats=2, batched=([prompt] * 32, [64] * 32))
+    row["llama_ppl"] = peer["perplexity"]["perplexity"]
+    row["llama_b1"] = 127 / peer["batch1"]["decode_s"]
+    row["llama_32"] = peer["batched"]["output_tokens"] / peer["batched"]["elapsed_s"]
+    llm = LLM(path, quantization="gguf", dtype="bfloat16", kv_cache_memory="256MiB")
+    from pagoda.bench.throughput import run_batch1_decode
+
+    run_batch1_decode(llm, prompt, 16)
+    row["b1"] = max(run_batch1_decode(llm, prompt, 128).decode_tok_s for _ in range(2))
+    import time
+
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
+    t0 = time.perf_counter()
+    outs = llm.generate([prompt] * 32, params, use_tqdm=False)
+    row["c32"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagoda.bench.llama_cpp_peer import DEFAULT_LLAMA_PYTHON
+    from pagoda.model.default_model import default_model_path
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
+    p.add_argument("--llama-python", default=DEFAULT_LLAMA_PYTHON)
+    p.add_argument("--text-chars", type=int, default=6000)
+    args = p.parse_args(argv)
+    corpus = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "corpus" / "GPL-3"
+    from pagoda import LLM
+
+    ids = LLM(dtype="float32", kv_cache_memory="32MiB").get_tokenizer().encode(corpus.read_text()[:args.text_chars])
+    rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        f16 = str(Path(d) / "f16.gguf")
+        float_copy(default_model_path(), f16)
+        for preset in args.presets:
+            path = str(Path(d) / f"{preset}.gguf")
+            llama_quantize(args.llama_python, f16, path, preset)
+            rows[preset] = measure(path, args.llama_python, ids)
+            print(preset, rows[preset], file=sys.stderr, flush=True)
+    print("| preset | tensors | file | resident (-q gguf) | ppl Pagoda / llama.cpp | batch 1 | 32 concurrent |")
+    print("|---|---|---|---|---|---|---|")
+    for preset, r in rows.items():
+        print(f"| {preset} | {r['types']} | {r['file_mib']:.1f} MiB | {r['resident_mib']:.1f} MiB "
+              f"({r['resident_mib'] / r['file_mib']:.2f}x) | {r['ppl']:.3f} / {r['llama_ppl']:.3f} "
+              f"({r['ppl'] / r['llama_ppl'] - 1:+.2%}) | {r['b1']:.1f} vs {r['llama_b1']:.1f} tok/s "
+              f"({r['b1'] / r['llama_b1']:.2f}x) | {r['c32']:.1f} vs {r['llama_32']:.1f} tok/s "
+              f"({r['c32'] / r['llama_32']:.2f}x) |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
