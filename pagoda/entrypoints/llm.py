@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from pagoda.config import EngineConfig
 from pagoda.engine.engine import LLMEngine
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -20,10 +21,12 @@ class LLM:
     `model` is a Hugging Face folder (config.json + *.safetensors + tokenizer files) or a .gguf file;
     None uses the embedded SmolLM2-135M-Instruct. Keyword arguments take vLLM's names: dtype,
     max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory, max_model_len, seed,
-    enable_prefix_caching, kv_cache_dtype (auto | int8 | fp8_e4m3 | fp8_e5m2: 8-bit KV with per-token scales).
+    enable_prefix_caching, kv_cache_dtype (auto | int8 | fp8_e4m3 | fp8_e5m2: 8-bit KV with per-token scales),
+    enable_lora, max_loras, max_lora_rank (PEFT adapters chosen per prompt by generate's lora_request).
 
-    `task="embed"` or `"score"` loads a pooling model instead (an encoder folder; None: the embedded
-    all-MiniLM-L6-v2) for embed(), score() and rerank() (entrypoints/pooling.py); it has no KV cache.
+    `task="embed"` or `"score"` loads a pooling model instead (an encoder folder, or a causal LM pooled at its
+    last token; None: the embedded all-MiniLM-L6-v2) for embed(), score() and rerank() (entrypoints/pooling.py);
+    no KV outlives a forward. A causal LM scores pairs as a reranker with `classifier_from_token=["no", "yes"]`.
     """
 
     def __init__(self, model: str | None = None, task: str = "generate", **engine_kwargs: Any) -> None:
@@ -63,9 +66,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids or {"prompt_token_ids": [...]}) in one batch run.
-        `priority`, one per prompt, orders them under the priority scheduling policy (lower first)."""
+        `priority`, one per prompt, orders them under the priority scheduling policy (lower first).
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -78,16 +83,20 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError("priority must give one value per prompt")
+        loras = list(lora_request) if isinstance(lora_request, Seq) else [lora_request] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
         for p in {id(p): p for p in params}.values():  # a constraint that cannot compile is a ValueError
             self.engine.input_processor.compile_structured(p)
         ids = []
         try:
-            for prompt, p, rank in zip(prompt_list, params, priorities):
+            for prompt, p, rank, lora in zip(prompt_list, params, priorities, loras):
                 salt = None
                 if isinstance(prompt, dict):  # {"prompt" | "prompt_token_ids": ..., "cache_salt": ...}
                     salt = prompt.get("cache_salt")
                     prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-                ids.append(self.engine.add_request(prompt, p, cache_salt=salt, priority=rank).request_id)
+                ids.append(self.engine.add_request(prompt, p, cache_salt=salt, priority=rank,
+                                                   lora_request=lora).request_id)
         except Exception:
             for rid in ids:  # leave the engine as we found it
                 self.engine.abort_request(rid)

@@ -412,7 +412,7 @@ class FakeEngine:
                            num_waiting=len(self.scheduler.waiting), num_free_blocks=100)
 
     def add_processed(self, processed: Any, request_id: str, cache_salt: str | None = None,
-                      client: str | None = None, priority: int = 0) -> Any:
+                      client: str | None = None, priority: int = 0, lora_request: Any = None) -> Any:
         ids = processed.prompt_token_ids
         self.requests[request_id] = {"ids": ids, "out": [], "max": processed.params.max_tokens or 4,
                                      "metrics": RequestMetrics(arrival_time=time.time()), "priority": priority}

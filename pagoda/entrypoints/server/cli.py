@@ -1,5 +1,6 @@
 """`pagoda serve [MODEL]`: load the engine, then run the OpenAI-compatible app under uvicorn; with
---data-parallel-size N, N such servers behind vllm-router instead (data_parallel.py)."""
+--data-parallel-size N, N such servers behind vllm-router instead (data_parallel.py); with several models
+(--model twice, --models-dir), one server for all of them (multi_model.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +9,13 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from pagoda.entrypoints.server.data_parallel import ROUTER_POLICIES
-from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_UPLOAD_BYTES
+from pagoda.entrypoints.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_UPLOAD_BYTES, ServerSettings
 from pagoda.tools.formats import FORMATS
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -23,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                   help="the same as the positional MODEL")
+    p.add_argument("--model", dest="model_flag", action="append", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL; given more than once, one server serves every model, "
+                        "each request going to the one its `model` field names (docs/deployment.md)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -76,8 +80,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$XDG_STATE_HOME/pagoda/batches/PORT, made at the first upload)")
     p.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
                    help="answer 413 to a /v1/files upload larger than this (it is read into memory)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served from the start, each chosen by its NAME in a "
+                        "request's `model` field (needs --enable-lora)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    mm = p.add_argument_group("several models in one server (multi_model.py, docs/deployment.md)")
+    mm.add_argument("--models-dir", default=None, metavar="DIR",
+                    help="also serve every model in DIR (a folder with config.json, or a .gguf file), named by its "
+                         "folder's or file's base name")
+    mm.add_argument("--preload", action="store_true",
+                    help="load every model at start (default: each at its first request)")
+    mm.add_argument("--models-memory", default=None, metavar="BYTES",
+                    help="memory the loaded models may take together, in bytes or e.g. 8GiB: a load first unloads "
+                         "the least recently used idle models (default: no limit)")
+    mm.add_argument("--models-idle-unload", type=float, default=None, metavar="SECONDS",
+                    help="unload a model nobody has sent a request for this long (default: never)")
     dp = p.add_argument_group("data parallelism: replicas on this host behind vllm-router (docs/deployment.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                     help="engine replicas, each a server on its own cores and loopback port, behind vllm-router "
@@ -113,22 +131,17 @@ def batch_dir(given: str | None, port: int) -> Path | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagoda.config import EngineConfig, server_api_key
     from pagoda.engine.async_engine import AsyncEngine
     from pagoda.engine.engine import LLMEngine
     from pagoda.entrypoints.cli import engine_kwargs
-    from pagoda.entrypoints.server import connections
-    from pagoda.entrypoints.server.app import ServerSettings, create_app
+    from pagoda.entrypoints.server.app import create_app
     from pagoda.entrypoints.server.metrics import ServerMetrics
     from pagoda.executor.multiproc import launched_by_torchrun, run_torchrun_worker
 
     logging.getLogger("pagoda").setLevel(args.log_level.upper())
-    if args.model_flag is not None:
-        if args.model is not None and args.model != args.model_flag:
-            raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
-        args.model = args.model_flag
+    paths = list(dict.fromkeys([*([args.model] if args.model is not None else []), *(args.model_flag or [])]))
+    args.model = paths[0] if paths else None
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be at least 1")
     if args.max_request_body_bytes < 1:
@@ -146,6 +159,10 @@ def main(args: argparse.Namespace) -> int:
                          "client's grammar in its own process")
     settings_kwargs = dict(api_key=server_api_key(args.api_key), max_waiting_requests=args.max_waiting_requests,
                            drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes)
+    if len(paths) > 1 or args.models_dir is not None:
+        from pagoda.entrypoints.server import multi_model
+
+        return multi_model.main(args, paths, server_settings(args, [], []))
     if args.task != "generate":
         from pagoda.entrypoints.server.pooling_app import serve_pooling
 
@@ -163,19 +180,7 @@ def main(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(names[0])
     metrics.set_cache_config(config.cache.block_size, config.cache.kv_cache_dtype, config.cache.enable_prefix_caching,
                              engine.kv.pool.num_blocks)
-    settings = ServerSettings(
-        served_model_names=names,
-        model_aliases=aliases,
-        api_key=server_api_key(args.api_key),
-        max_waiting_requests=args.max_waiting_requests,
-        drain_timeout=args.drain_timeout,
-        model_root=args.model or DEFAULT_MODEL_NAME,
-        max_request_body_bytes=args.max_request_body_bytes,
-        tool_call_parser=args.tool_call_parser,
-        step_timeout=args.step_timeout,
-        batch_dir=batch_dir(args.batch_dir, args.port),
-        max_upload_bytes=args.max_upload_bytes,
-    )
+    settings = server_settings(args, names, aliases)
     async_engine = AsyncEngine(engine, metrics)
     pooling = None
     if args.embedding_model is not None:
@@ -190,13 +195,46 @@ def main(args: argparse.Namespace) -> int:
                                 metrics.registry)
     app = create_app(async_engine, settings, metrics, pooling)
 
+    def begin_shutdown(timeout: float) -> None:
+        async_engine.begin_shutdown(timeout)
+        engine.structured.close()  # a compile under way is killed, its request answered 503
+
+    return run_server(app, args, begin_shutdown, names[0])
+
+
+def server_settings(args: argparse.Namespace, names: list[str], aliases: list[str]) -> ServerSettings:
+    """The server's settings from its flags; `names` and `aliases` are the model's (served_names)."""
+    from pagoda.config import server_api_key
+    from pagoda.entrypoints.server.serving_lora import parse_lora_modules
+
+    return ServerSettings(
+        served_model_names=names,
+        model_aliases=aliases,
+        api_key=server_api_key(args.api_key),
+        max_waiting_requests=args.max_waiting_requests,
+        drain_timeout=args.drain_timeout,
+        model_root=args.model or DEFAULT_MODEL_NAME,
+        max_request_body_bytes=args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser,
+        step_timeout=args.step_timeout,
+        batch_dir=batch_dir(args.batch_dir, args.port),
+        max_upload_bytes=args.max_upload_bytes,
+        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
+    )
+
+
+def run_server(app: Any, args: argparse.Namespace, begin_shutdown: Callable[[float], None], label: str) -> int:
+    """Run `app` under uvicorn until SIGTERM or Ctrl-C; `begin_shutdown(drain_timeout)` runs at the signal."""
+    import uvicorn
+
+    from pagoda.entrypoints.server import connections
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # The drain clock starts at the signal: the engine aborts what is left at drain_timeout, so
             # waiting handlers answer 503 then, rather than uvicorn waiting drain_timeout for them first
             # and the engine waiting again after.
-            async_engine.begin_shutdown(args.drain_timeout)
-            engine.structured.close()  # a compile under way is killed, its request answered 503
+            begin_shutdown(args.drain_timeout)
             super().handle_exit(sig, frame)
 
     # uvicorn's own limit is a backstop: by then the engine has ended every request.
@@ -212,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
     # installed before it started. Installing no-op handlers here turns that re-raise into exit code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    print(f"pagoda: serving {names[0]} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    print(f"pagoda: serving {label} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     server.run()
     code = 0 if server.started else 1
     # The engine has stopped and every client has its answer. Tearing the interpreter down (freeing the
