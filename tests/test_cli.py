@@ -36,7 +36,7 @@ sys.meta_path.insert(0, _Absent())
 
 COMMANDS = [["generate"], ["chat"], ["serve"], ["quantize"], ["bench"], ["bench", "throughput"],
             ["bench", "serve"], ["bench", "quant"], ["bench", "structured"], ["eval"], ["eval", "perplexity"],
-            ["kernels"], ["batch"], ["batch", "run"]]
+            ["kernels"], ["batch"], ["batch", "run"], ["bench", "embed"]]
 
 
 def _run_cli(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
