@@ -135,13 +135,16 @@ class Sampler:
         if probs is None:
             token_ids = greedy_ids
         else:
-            # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p; seeded rows
-            # draw their own noise so they reproduce whatever else shares the batch.
-            noise = torch.empty_like(probs).exponential_()
+            # Inverse CDF: one uniform per row, the first token whose cumulative probability passes it (a token
+            # of zero probability never does). A row-wise cumsum is each row's own, and seeded rows draw their
+            # uniform from their own generator, so they reproduce whatever else shares the batch. (One draw a
+            # row: an exponential race needs one per vocabulary entry, which costs more than the forward.)
+            u = torch.rand(probs.shape[0], 1)
             for i, g in enumerate(batch.generators):
                 if g is not None and not batch.params[i].greedy:
-                    noise[i].exponential_(generator=g)
-            sampled = argmax_rows(probs / noise)
+                    u[i] = torch.rand(1, generator=g)
+            cdf = probs.cumsum(dim=-1)
+            sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
             is_greedy = torch.tensor([p.greedy for p in batch.params])
             token_ids = torch.where(is_greedy, greedy_ids, sampled)
         return sampler_output(token_ids, raw_logprobs, batch.max_logprobs)
