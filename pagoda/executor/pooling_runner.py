@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from pagoda.config import PoolingConfig, resolve_dtype
 from pagoda.cpus import resolve as resolve_cpus
 from pagoda.executor.prefill_runner import PrefillModel, is_causal_lm
+from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.pooler import PoolerConfig, pool
 from pagoda.model.bert import BertEncoder, is_encoder_config, load_encoder
 from pagoda.model.default_model import default_embedding_model_path
@@ -47,7 +48,7 @@ class PoolingRunner:
             if classifier_from_token is not None:
                 raise ValueError(f"{folder}: classifier_from_token scores with a causal LM's logits; this is an "
                                  "encoder")
-            self._load_encoder(folder, dtype, max_model_len)
+            self._load_encoder(folder, dtype, max_model_len, kernels)
         elif is_causal_lm(folder):
             self._load_causal_lm(folder, dtype, max_model_len, classifier_from_token, kernels, quantization)
         else:
@@ -56,8 +57,8 @@ class PoolingRunner:
         self.tokenizer.no_truncation()  # limits are ours to apply, and a 400 where no truncation was asked
         self.tokenizer.no_padding()
 
-    def _load_encoder(self, folder: str, dtype: torch.dtype, max_model_len: int | None) -> None:
-        model = load_encoder(folder, dtype)
+    def _load_encoder(self, folder: str, dtype: torch.dtype, max_model_len: int | None, kernels: str) -> None:
+        model = load_encoder(folder, dtype, KernelPolicy.resolve(kernels))
         self.model: BertEncoder | PrefillModel = model
         args = model.args
         self.is_cross_encoder = args.head is not None

@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from pagoda.kernels.policy import KernelPolicy
+from pagoda.layers.linear import Linear
+
 # architecture -> (family, head): the head reads the first token of each sequence into num_labels logits.
 ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "BertModel": ("bert", None),
@@ -86,11 +89,11 @@ class EncoderLayer(nn.Module):
     def __init__(self, a: EncoderArgs) -> None:
         super().__init__()
         self.num_heads, self.head_dim = a.num_heads, a.hidden_size // a.num_heads
-        self.qkv = nn.Linear(a.hidden_size, 3 * a.hidden_size)
-        self.o = nn.Linear(a.hidden_size, a.hidden_size)
+        self.qkv = Linear(a.hidden_size, 3 * a.hidden_size)
+        self.o = Linear(a.hidden_size, a.hidden_size)
         self.attn_norm = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
-        self.up = nn.Linear(a.hidden_size, a.intermediate_size)
-        self.down = nn.Linear(a.intermediate_size, a.hidden_size)
+        self.up = Linear(a.hidden_size, a.intermediate_size)
+        self.down = Linear(a.intermediate_size, a.hidden_size)
         self.mlp_norm = nn.LayerNorm(a.hidden_size, eps=a.layer_norm_eps)
         self.act = _ACTIVATIONS[a.hidden_act]
 
@@ -100,8 +103,8 @@ class EncoderLayer(nn.Module):
         attn = torch.empty(self.num_heads, t, self.head_dim, dtype=x.dtype)
         # One attention per sequence: each sees only its own tokens, and its result does not depend on what
         # else is in the batch.
-        for s, e in spans:
-            attn[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e])
+        for s, e in spans:  # 4-D, so torch takes its fused CPU kernel rather than the composite one
+            attn[:, s:e] = F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e])[0]
         x = self.attn_norm(x + self.o(attn.transpose(0, 1).reshape(t, -1)))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))
 
@@ -112,8 +115,8 @@ class ClassifierHead(nn.Module):
 
     def __init__(self, a: EncoderArgs) -> None:
         super().__init__()
-        self.dense = nn.Linear(a.hidden_size, a.hidden_size)
-        self.out = nn.Linear(a.hidden_size, a.num_labels)
+        self.dense = Linear(a.hidden_size, a.hidden_size)
+        self.out = Linear(a.hidden_size, a.num_labels)
 
     def forward(self, first: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.dense(first)))
@@ -180,8 +183,10 @@ def _weights_file(folder: str) -> str:
     raise FileNotFoundError(f"no model.safetensors in {folder}")
 
 
-def load_encoder(folder: str, dtype: torch.dtype = torch.float32) -> BertEncoder:
-    """Build the encoder of an HF folder (config.json + model.safetensors) and load its weights."""
+def load_encoder(folder: str, dtype: torch.dtype = torch.float32, policy: KernelPolicy | None = None) -> BertEncoder:
+    """Build the encoder of an HF folder (config.json + model.safetensors) and load its weights; its Linears run
+    the engine's kernels under `policy` (the panel GEMMs, AMX tiles for bf16 where the CPU has them; None: the
+    C++ kernels where they load), the same at every token count."""
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         args = EncoderArgs.from_hf_config(json.load(f))
     with torch.device("meta"):
@@ -213,4 +218,8 @@ def load_encoder(folder: str, dtype: torch.dtype = torch.float32) -> BertEncoder
         raise ValueError(f"{folder}: weights do not match {args.architecture}: missing {sorted(missing)[:4]}, "
                          f"unexpected {sorted(unexpected)[:4]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    policy = policy if policy is not None else KernelPolicy.resolve()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.prepare(dtype, policy)
     return model.eval()
