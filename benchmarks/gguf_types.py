@@ -68,7 +68,7 @@ def tensor_types(path: str) -> str:
     return ", ".join(f"{n} {k}" for k, n in counts.most_common())
 
 
-def measure(path: str, python: str, ids: list[int]) -> dict:
+def measure(path: str, python: str, ids: list[int], extra_bufts: bool) -> dict:
     from pagoda import LLM, SamplingParams
     from pagoda.bench.llama_cpp_peer import run_llama_cpp
     from pagoda.bench.quant_table import weight_bytes
@@ -83,7 +83,8 @@ def measure(path: str, python: str, ids: list[int]) -> dict:
     prompt = ids[:32]
     peer = run_llama_cpp(path, python=python, perplexity=([ids[w.begin:w.end] for w in windows],
                                                           [w.end - w.begin - w.num_scored for w in windows]),
-                         batch1=(prompt, 128), batch1_repeats=2, batched=([prompt] * 32, [64] * 32))
+                         batch1=(prompt, 128), batch1_repeats=2, batched=([prompt] * 32, [64] * 32),
+                         extra_bufts=extra_bufts)
     row["llama_ppl"] = peer["perplexity"]["perplexity"]
     row["llama_b1"] = 127 / peer["batch1"]["decode_s"]
     row["llama_32"] = peer["batched"]["output_tokens"] / peer["batched"]["elapsed_s"]
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
     p.add_argument("--llama-python", default=DEFAULT_LLAMA_PYTHON)
     p.add_argument("--text-chars", type=int, default=6000)
+    p.add_argument("--no-extra-bufts", action="store_true",
+                   help="llama.cpp without its repacked/AMX weight buffers (where its build crashes in them)")
     args = p.parse_args(argv)
     corpus = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "corpus" / "GPL-3"
     from pagoda import LLM
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for preset in args.presets:
             path = str(Path(d) / f"{preset}.gguf")
             llama_quantize(args.llama_python, f16, path, preset)
-            rows[preset] = measure(path, args.llama_python, ids)
+            rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts)
             print(preset, rows[preset], file=sys.stderr, flush=True)
     print("| preset | tensors | file | resident (-q gguf) | ppl Pagoda / llama.cpp | batch 1 | 32 concurrent |")
     print("|---|---|---|---|---|---|---|")

@@ -29,13 +29,14 @@ def run_llama_cpp(gguf: str, *, python: str = DEFAULT_LLAMA_PYTHON, threads: int
                   batch1: tuple[Sequence[int], int] | None = None, batch1_repeats: int = 1,
                   batched: tuple[Sequence[Sequence[int]], Sequence[int]] | None = None,
                   perplexity: tuple[Sequence[Sequence[int]], Sequence[int]] | None = None,
-                  timeout_s: float = 3600.0) -> dict[str, Any]:
+                  timeout_s: float = 3600.0, extra_bufts: bool = True) -> dict[str, Any]:
     """batch1: (prompt ids, output_len), the fastest of batch1_repeats runs; batched: (prompts, output_lens),
     all started at once, greedy, no EOS stop; perplexity: (windows, first scored position per window).
+    extra_bufts=False loads the weights without llama.cpp's repacked/AMX buffers (some builds crash in them).
     Returns the script's dict."""
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise PeerUnavailable(f"llama.cpp peer not found: {python}; {INSTALL_HINT}")
-    job: dict[str, Any] = {"gguf": os.path.abspath(gguf), "threads": threads}
+    job: dict[str, Any] = {"gguf": os.path.abspath(gguf), "threads": threads, "extra_bufts": extra_bufts}
     if batch1 is not None:
         job["batch1"] = {"prompt": [int(t) for t in batch1[0]], "output_len": int(batch1[1]),
                          "repeats": int(batch1_repeats)}

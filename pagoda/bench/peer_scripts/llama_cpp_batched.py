@@ -24,9 +24,11 @@ RESULT_PREFIX = "PAGODA_PEER_RESULT "
 
 
 class Engine:
-    def __init__(self, gguf: str, threads: int, n_ctx: int, n_seq: int, n_batch: int = 512) -> None:
+    def __init__(self, gguf: str, threads: int, n_ctx: int, n_seq: int, n_batch: int = 512,
+                 extra_bufts: bool = True) -> None:
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts  # off: no repacked or AMX weight buffers (a build where they crash)
         self.model = L.llama_model_load_from_file(gguf.encode(), mp)
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
@@ -122,11 +124,11 @@ def main() -> None:
     if "batched" in job:
         b = job["batched"]
         n_ctx = sum(len(p) + n for p, n in zip(b["prompts"], b["output_lens"])) + 64
-        eng = Engine(job["gguf"], threads, n_ctx, len(b["prompts"]))
+        eng = Engine(job["gguf"], threads, n_ctx, len(b["prompts"]), extra_bufts=job.get("extra_bufts", True))
         result["batched"] = run_batched(eng, b["prompts"], b["output_lens"])
         L.llama_free(eng.ctx)
     if "batch1" in job or "perplexity" in job:
-        eng = Engine(job["gguf"], threads, job.get("n_ctx", 4096), 1)
+        eng = Engine(job["gguf"], threads, job.get("n_ctx", 4096), 1, extra_bufts=job.get("extra_bufts", True))
         if "batch1" in job:
             b1 = job["batch1"]
             result["batch1"] = run_batch1(eng, b1["prompt"], b1["output_len"], b1.get("repeats", 1))
