@@ -120,6 +120,7 @@ def fuzz_server(fuzz_api_key: str, fuzz_body_limit: int) -> Iterator[ServerProce
     the chat model, so the pooling routes are fuzzed too."""
     srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "256", "--max-num-seqs", "8",
                         "--api-key", fuzz_api_key, "--max-request-body-bytes", str(fuzz_body_limit),
+                        "--max-upload-bytes", str(fuzz_body_limit),
                         "--embedding-model", "default")
     try:
         srv.wait_ready()

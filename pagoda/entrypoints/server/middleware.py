@@ -33,8 +33,8 @@ class BodyLimitMiddleware:
     """Answer 413 to a body over `max_bytes` before any of it is parsed, declared or streamed.
 
     The body is read here (the app reads it whole anyway) and replayed; after it, receive() goes to the
-    client again, so disconnects still reach the handlers. `uploads` names paths with their own, larger,
-    limit (file uploads: `--max-upload-bytes`); the read deadline grows with it.
+    client again, so disconnects still reach the handlers. `uploads` names paths whose POSTs have their own,
+    larger, limit (file uploads: `--max-upload-bytes`); the read deadline grows with it.
     """
 
     def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int, read_timeout_s: float = 30.0,
@@ -46,7 +46,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        upload = scope.get("path") in self.upload_paths
+        upload = scope.get("method") == "POST" and scope.get("path") in self.upload_paths
         max_bytes, flag = (self.max_upload_bytes, "--max-upload-bytes") if upload else \
             (self.max_bytes, "--max-request-body-bytes")
         too_large = error_response(413, f"request body is larger than the server's limit of {max_bytes} "

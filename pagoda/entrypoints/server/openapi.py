@@ -3,7 +3,8 @@
 FastAPI declares a 422 with its own validation body on every route that takes input, and knows nothing of
 what the handlers answer themselves. The server answers every error in OpenAI's shape (`ErrorResponse`; on
 Anthropic's Messages routes `AnthropicErrorResponse`) with a 400 for invalid input, streams server-sent events
-when `stream` is true, and returns bare bodies from its operational routes. `install_openapi` rewrites the generated document once, on first request.
+when `stream` is true, and returns bare bodies from its operational routes. `install_openapi` rewrites the
+generated document once, on first request.
 """
 from __future__ import annotations
 
@@ -69,14 +70,21 @@ PLAIN_OK: dict[str, dict[str, Any]] = {
 EXTRA_ERRORS: dict[str, frozenset[int]] = {"/health": frozenset({503}), "/ping": frozenset({503}),
                                            "/health_generate": frozenset({503}),
                                            "/v1/responses": frozenset({404}),  # previous_response_id
-                                           "/v1/responses/{response_id}": frozenset({404})}
+                                           "/v1/responses/{response_id}": frozenset({404}),
+                                           "/v1/unload_lora_adapter": frozenset({404}),
+                                           "/v1/load_lora_adapter": frozenset({404})}
+# Files and batch jobs: 404 for an id that is not there (or the routes off: no --batch-dir), 503 where the folder
+# cannot be opened.
+EXTRA_ERRORS |= {path: frozenset({404, 503}) for path in (
+    "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches", "/v1/batches/{batch_id}",
+    "/v1/batches/{batch_id}/cancel")}
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a field of the wrong type, or a value out of range",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
-    404: "The model is not served (or the stored response is not there)",
+    404: "The model is not served (or the stored response, file, batch or adapter is not there)",
     408: "The request body did not arrive in time",
-    413: "Request body over the size limit",
+    413: "Request body over the size limit (an upload: over --max-upload-bytes)",
     500: "The engine failed while generating this request",
     503: "Shutting down, engine stopped, or too many waiting requests; Retry-After says when to retry",
 }
