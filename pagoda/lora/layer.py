@@ -1,5 +1,11 @@
 """The batched LoRA op: each Linear with adapters adds scale * (x @ A^T) @ B^T to its rows, the A and B of
-each row's adapter slot (punica's SGMV on GPU: rows grouped by slot, one pair of matmuls per group).
+each row's adapter slot.
+
+Every slot's A is one matrix [slots x width, in] and every slot's B one [slots x width, out], so a step's tokens,
+whatever their adapters, take two matmuls a layer: h = x @ A_all^T holds each token's projection onto every
+slot's rank columns, a mask keeps only its own slot's (none for a base-model token), and h @ B_all adds exactly its
+own adapter's update. The widths are small (parts x max rank), so computing the other slots' columns costs less
+than grouping tokens by slot (punica's SGMV on GPU), which takes a gather, two matmuls and a scatter per slot.
 
 A Linear that fuses several HF projections (q|k|v, gate|up) keeps their updates in one slot as one pair:
 A stacks the parts' A along the rank, and B places each part's B in its rows and its rank columns, so
@@ -14,66 +20,78 @@ import torch
 
 @dataclass
 class LoRAMapping:
-    """This step's tokens grouped by adapter slot, set by the model runner before each forward."""
-    # (slot, indices of its tokens in the flat batch; None: every token of the step)
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    """This step's tokens by adapter slot, set by the model runner before each forward."""
+    token_slots: torch.Tensor | None = None  # [T] each token's slot, -1 for the base model; None: no adapter
+    single: int | None = None                # the slot every token of the step uses, where there is one
+    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
-        return bool(self.groups)
+        return self.token_slots is not None
 
     def set(self, row_slots: list[int], query_start: list[int], device: torch.device) -> None:
         """`row_slots`: each row's slot (-1: the base model); `query_start`: the rows' token offsets."""
-        used = sorted({s for s in row_slots if s >= 0})
-        if not used:
-            self.groups = []
-            return
-        if len(used) == 1 and all(s == used[0] for s in row_slots):
-            self.groups = [(used[0], None)]
+        self._masks = {}
+        if all(s < 0 for s in row_slots):
+            self.token_slots, self.single = None, None
             return
         lengths = torch.tensor([b - a for a, b in zip(query_start, query_start[1:])])
-        token_slots = torch.repeat_interleave(torch.tensor(row_slots), lengths)
-        self.groups = [(s, (token_slots == s).nonzero().squeeze(1).to(device)) for s in used]
+        self.token_slots = torch.repeat_interleave(torch.tensor(row_slots), lengths).to(device)
+        self.single = row_slots[0] if all(s == row_slots[0] for s in row_slots) else None
+
+    def mask(self, num_slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, slots x width]: 1 in the columns of each token's own slot, 0 elsewhere (made once a step)."""
+        key = (num_slots, width, dtype)
+        if key not in self._masks:
+            assert self.token_slots is not None
+            own = self.token_slots.unsqueeze(1) == torch.arange(num_slots, device=self.token_slots.device)
+            self._masks[key] = own.to(dtype).repeat_interleave(width, dim=1)
+        return self._masks[key]
 
     def clear(self) -> None:
-        self.groups = []
+        self.token_slots, self.single, self._masks = None, None, {}
 
 
 class LoRASlots:
-    """One Linear's adapters: A [slots, width, in] and B [slots, out, width], width = parts x max rank."""
+    """One Linear's adapters: A [slots, width, in] and B^T [slots, width, out], width = parts x max rank."""
 
     def __init__(self, num_slots: int, width: int, in_features: int, out_features: int, dtype: torch.dtype,
                  mapping: LoRAMapping) -> None:
         self.a = torch.zeros(num_slots, width, in_features, dtype=dtype)
-        self.b = torch.zeros(num_slots, out_features, width, dtype=dtype)
-        self.width = [0] * num_slots  # rank columns each slot fills (the rest are not computed)
+        self.bt = torch.zeros(num_slots, width, out_features, dtype=dtype)
+        self.width = [0] * num_slots  # rank columns each slot fills (the rest are zero)
         self.mapping = mapping
 
     def write(self, slot: int, parts: list[tuple[int, torch.Tensor, torch.Tensor, float]]) -> None:
         """Fill `slot` with (first output row, A [r, in], B [rows, r], scale) of each part it updates."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
         col = 0
         for row, a, b, scale in parts:
             r = a.shape[0]
             self.a[slot, col:col + r] = a
-            self.b[slot, row:row + b.shape[0], col:col + r] = b * scale
+            self.bt[slot, col:col + r, row:row + b.shape[0]] = (b * scale).T
             col += r
         self.width[slot] = col
 
     def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.bt[slot].zero_()
         self.width[slot] = 0
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter update of x (in place; y is the base layer's fresh output)."""
-        for slot, idx in self.mapping.groups:
-            w = self.width[slot]
-            if w == 0:  # the adapter leaves this layer as it is
-                continue
-            a, b = self.a[slot, :w], self.b[slot, :, :w]
-            if idx is None:
-                y += ((x.to(a.dtype) @ a.T) @ b.T).to(y.dtype)
-            else:
-                xs = x.index_select(0, idx).to(a.dtype)
-                y.index_add_(0, idx, ((xs @ a.T) @ b.T).to(y.dtype))
+        m = self.mapping
+        if not m.active:
+            return y
+        xs = x.to(self.a.dtype)
+        if m.single is not None:  # one adapter for the whole step: its own columns only
+            w = self.width[m.single]
+            if w:
+                y += ((xs @ self.a[m.single, :w].T) @ self.bt[m.single, :w]).to(y.dtype)
+            return y
+        slots, width = self.a.shape[0], self.a.shape[1]
+        h = xs @ self.a.view(slots * width, -1).T
+        h *= m.mask(slots, width, h.dtype)
+        y += (h @ self.bt.view(slots * width, -1)).to(y.dtype)
         return y

@@ -39,8 +39,9 @@ class LoRAManager:
             leaf = path.rpartition(".")[2]
             if isinstance(m, Linear) and leaf in TARGETS and re.fullmatch(r"layers\.\d+\.(self_attn|mlp)\.\w+", path):
                 parts = len(model.packed_modules.get(leaf, (leaf,)))
+                # fp32 whatever the model's dtype: torch's small bf16 matmuls on CPU cost several times fp32's.
                 m.lora = self.slots[path] = LoRASlots(self.num_slots, parts * self.max_rank, m.in_features,
-                                                      m.out_features, dtype, self.mapping)
+                                                      m.out_features, torch.float32, self.mapping)
         model.lora = self.mapping  # a step with adapter rows runs layer by layer (the C++ stack has no LoRA)
         self._resident: dict[int, tuple[int, _Resident]] = {}  # lora_int_id -> (slot, its state)
         self._lru: OrderedDict[int, int | None] = OrderedDict((s, None) for s in range(self.num_slots))
@@ -60,7 +61,7 @@ class LoRAManager:
             slots = self.slots.get(path)
             if slots is None:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: the model has no module {module!r}")
-            out_rows = slots.b.shape[1]
+            out_rows = slots.bt.shape[2]
             rows = self.model.part_rows(path.rpartition(".")[2], out_rows) if count > 1 else [out_rows]
             if lora.a.shape[1] != slots.a.shape[2] or lora.b.shape[0] != rows[index]:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: {module!r} maps {lora.a.shape[1]} -> "
