@@ -3,13 +3,16 @@ all-MiniLM-L6-v2) answers chat and embeddings through the official openai client
 and documents the pooling routes in its OpenAPI document."""
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL_NAME, ServerProcess
+
+# A server of its own for one feature (the fuzz server also runs chat beside embeddings): kept out of the
+# default run to hold its time.
+pytestmark = pytest.mark.slow
 
 openai = pytest.importorskip("openai")
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
@@ -24,14 +27,9 @@ def server() -> Iterator[ServerProcess]:
         default_embedding_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "512", "--max-num-seqs", "4",
-                        "--embedding-model", "default", "--max-queue-delay-ms", "1")
-    try:
-        srv.wait_ready()
+    with ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "512", "--max-num-seqs", "4",
+                       "--embedding-model", "default", "--max-queue-delay-ms", "1") as srv:
         yield srv
-    finally:
-        srv.stop()
-        os.unlink(srv.log.name)
 
 
 def test_one_server_answers_chat_and_embeddings_through_the_openai_client(server: ServerProcess) -> None:

@@ -3,7 +3,6 @@ sentence-transformers, the rerank/score/TEI shapes, and bad inputs answered 400 
 from __future__ import annotations
 
 import base64
-import os
 from collections.abc import Iterator
 
 import httpx
@@ -34,13 +33,8 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def embed_server(reference: dict) -> Iterator[ServerProcess]:
-    srv = ServerProcess("--task", "embed", "--max-queue-delay-ms", "5")
-    try:
-        srv.wait_ready()
+    with ServerProcess("--task", "embed", "--max-queue-delay-ms", "5") as srv:
         yield srv
-    finally:
-        srv.stop()
-        os.unlink(srv.log.name)
 
 
 @pytest.fixture(scope="module")

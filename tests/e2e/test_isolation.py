@@ -30,14 +30,10 @@ HEADER_TIMEOUT = 2.0
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--max-waiting-requests", str(MAX_WAITING), "--max-request-body-bytes", str(BODY_LIMIT),
-                        "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", str(HEADER_TIMEOUT))
-    try:
-        srv.wait_ready()
+    with ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
+                       "--max-waiting-requests", str(MAX_WAITING), "--max-request-body-bytes", str(BODY_LIMIT),
+                       "--max-connections", str(MAX_CONNECTIONS), "--header-timeout", str(HEADER_TIMEOUT)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _raw(body: str) -> bytes:

@@ -64,14 +64,10 @@ def expected(folders) -> dict[str | None, list[int]]:
 
 @pytest.fixture(scope="module")
 def server(folders) -> Iterator[ServerProcess]:
-    srv = ServerProcess(str(folders["model"]), "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
-                        "--max-lora-rank", "16", "--lora-modules", f"all={folders['all']}", "--api-key", KEY,
-                        "--kv-cache-memory", "16MiB")
-    try:
-        srv.wait_ready()
+    with ServerProcess(str(folders["model"]), "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+                       "--max-lora-rank", "16", "--lora-modules", f"all={folders['all']}", "--api-key", KEY,
+                       "--kv-cache-memory", "16MiB") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

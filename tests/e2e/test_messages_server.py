@@ -22,12 +22,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--api-key", KEY)
-    try:
-        srv.wait_ready()
+    with ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--api-key", KEY) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -75,14 +75,9 @@ def reference(models_dir: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(models_dir: Path) -> Iterator[ServerProcess]:
-    srv = ServerProcess("--models-dir", str(models_dir), "--kv-cache-memory", "8MiB", "--max-model-len", "512",
-                        "--max-num-seqs", "16")
-    try:
-        srv.wait_ready()
+    with ServerProcess("--models-dir", str(models_dir), "--kv-cache-memory", "8MiB", "--max-model-len", "512",
+                       "--max-num-seqs", "16") as srv:
         yield srv
-    finally:
-        srv.stop()
-        os.unlink(srv.log.name)
 
 
 def test_models_list_every_model_unloaded_until_its_first_request(server: ServerProcess) -> None:

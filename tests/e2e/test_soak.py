@@ -28,12 +28,9 @@ SOAK_TIMEOUT_S = 900
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     # 24 MiB of fp32 KV: ~34 blocks of 16 tokens for 16 requests of up to ~100 tokens, so the scheduler preempts.
-    srv = ServerProcess("--kv-cache-memory", "24MiB", "--max-model-len", "256", "--max-num-seqs", str(CONCURRENCY))
-    try:
-        srv.wait_ready()
+    with ServerProcess("--kv-cache-memory", "24MiB", "--max-model-len", "256",
+                       "--max-num-seqs", str(CONCURRENCY)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _metrics(text: str) -> dict[str, float]:

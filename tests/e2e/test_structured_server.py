@@ -48,12 +48,8 @@ class Inventory(BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "16")
-    try:
-        srv.wait_ready()
+    with ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "16") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,8 @@ def hook_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(hook_dir: Path) -> Iterator[ServerProcess]:
     env = {"PYTHONPATH": os.pathsep.join([str(hook_dir), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "8", env=env)
-    try:
-        srv.wait_ready()
+    with ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-seqs", "8", env=env) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

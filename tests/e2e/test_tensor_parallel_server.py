@@ -21,14 +21,9 @@ STEP_TIMEOUT = 2.0
 
 @pytest.fixture(scope="module")
 def tp_server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
-                        "--served-model-name", MODEL_NAME, "--step-timeout", str(STEP_TIMEOUT))
-    try:
-        srv.wait_ready()
+    with ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                       "--served-model-name", MODEL_NAME, "--step-timeout", str(STEP_TIMEOUT)) as srv:
         yield srv
-    finally:
-        srv.stop()
-        os.unlink(srv.log.name)
 
 
 def test_chat_and_stream_equal_one_process(tp_server: ServerProcess, default_gguf: str) -> None:

@@ -35,12 +35,8 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
 def _server(*args: str) -> Iterator[ServerProcess]:
-    srv = ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "8", *args)
-    try:
-        srv.wait_ready()
+    with ServerProcess("--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "8", *args) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module", params=["xgrammar", "guidance"])
