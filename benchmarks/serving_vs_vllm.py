@@ -14,30 +14,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 from pagoda.bench.hf_copy import ensure_hf_copy
 from pagoda.bench.vllm_peer import peer_python
 from pagoda.model.default_model import default_model_path
+from tests.e2e.conftest import wait_healthy
 
 PEER_SCRIPT = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "peer_scripts" / "vllm_serve.py"
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server at {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
 def load(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
@@ -58,7 +42,7 @@ def serve_and_load(name: str, cmd: list[str], env: dict[str, str], url: str, arg
     log = open(tmp / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(url, proc, args.startup_timeout)
+        wait_healthy(url, proc, lambda: (tmp / f"{name}.log").read_text()[-4000:], args.startup_timeout, 1.0)
         rows = {}
         for c in args.concurrency:
             rows[c] = load(url, c, args, tmp / f"{name}-{c}.json")

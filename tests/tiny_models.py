@@ -199,3 +199,19 @@ def seeded_samples_and_singles(llm: Any, prompts: list[list[int]], n: int = 3, s
 
     singles = [run(1, seed + i) for i in range(n)]
     return run(n, seed), [[singles[i][p][0] for i in range(n)] for p in range(len(prompts))]
+
+
+def save_byte_tokenizer(folder: Path, chat_template: str | None = None) -> None:
+    """A byte-level tokenizer.json (ids 0..255 fit any vocab >= 256), so text routes work on a tiny model; with
+    `chat_template`, a tokenizer_config.json holding it."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    if chat_template is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))

@@ -27,7 +27,7 @@ class _Resident:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, config: LoRAConfig) -> None:
         if not hasattr(model, "packed_modules"):
             raise ValueError(f"{type(model).__name__} does not take LoRA adapters")
         self.model = model

