@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import FREED, KVCacheManager
-from pagoda.core.scheduler import Scheduler
 from pagoda.core.request import Request, Sequence
+from pagoda.core.scheduler import Scheduler
 from pagoda.sampling_params import SamplingParams
 
 

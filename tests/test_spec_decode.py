@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_eagle3_head, build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.spec_decode.config import SpeculativeConfig
@@ -29,6 +29,11 @@ def tiny_v32(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tiny_draft_1layer(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_draft"), "llama", vocab_size=32, num_hidden_layers=1))
+
+
+@pytest.fixture(scope="module")
+def tiny_eagle3(tmp_path_factory, tiny_v32) -> str:
+    return str(build_tiny_eagle3_head(tmp_path_factory.mktemp("tiny_eagle3"), tiny_v32, draft_vocab_size=16))
 
 
 def _params() -> list[SamplingParams]:
@@ -59,9 +64,11 @@ def _spec_llm(tiny_llama: str, default_gguf: str, cfg: dict) -> LLM:
     {"method": "self", "num_speculative_tokens": 3, "num_draft_layers": 1, "adaptive": False},
     {"method": "draft_model", "num_speculative_tokens": 4, "model": "TARGET", "adaptive": False},
     {"method": "draft_model", "num_speculative_tokens": 2, "model": "TINY1", "adaptive": False},
-], ids=["ngram", "ngram-adaptive", "self", "draft-is-target", "draft-1-layer"])
+    {"method": "eagle3", "num_speculative_tokens": 3, "model": "EAGLE3", "adaptive": False},
+    {"method": "eagle3", "num_speculative_tokens": 4, "model": "EAGLE3"},
+], ids=["ngram", "ngram-adaptive", "self", "draft-is-target", "draft-1-layer", "eagle3", "eagle3-adaptive"])
 def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32, default_gguf, reference,
-                                                                   tiny_draft_1layer):
+                                                                   tiny_draft_1layer, tiny_eagle3):
     tiny_llama = tiny_v32
     ref_tokens, ref_logprobs = reference
     cfg = dict(cfg)
@@ -69,6 +76,8 @@ def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32
         cfg["model"] = tiny_llama
     elif cfg.get("model") == "TINY1":
         cfg["model"] = tiny_draft_1layer
+    elif cfg.get("model") == "EAGLE3":
+        cfg["model"] = tiny_eagle3
     llm = _spec_llm(tiny_llama, default_gguf, cfg)
     engine = llm.engine
     assert engine.kv.pool.num_blocks == 32
@@ -77,11 +86,14 @@ def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32
     assert engine.kv.stats.hits > 0  # the two prompts with a shared 20-token prefix
     assert engine.scheduler.num_preemptions > 0
     stats = engine.speculator.stats
-    if cfg.get("adaptive") is False and cfg["method"] != "draft_model" or cfg.get("model") == tiny_llama:
+    if cfg.get("adaptive") is False and cfg["method"] not in ("draft_model", "eagle3") \
+            or cfg.get("model") == tiny_llama:
         assert stats.num_accepted_tokens > 0, "speculation never happened"
     if cfg.get("model") == tiny_llama:  # the target as its own draft: (nearly) everything is accepted
         assert stats.acceptance_rate > 0.9
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    if cfg.get("adaptive") is False:
+        assert stats.num_draft_tokens > 0, "nothing was drafted"
     # Logprobs of emitted tokens are the target's, as without speculation (up to batch-shape rounding).
     for got, want in zip(outs[5].outputs[0].logprobs, ref_logprobs):
         assert got.keys() == want.keys()

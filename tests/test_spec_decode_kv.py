@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
-from pagoda.core.scheduler import Scheduler
 from pagoda.core.request import Request, Sequence
+from pagoda.core.scheduler import Scheduler
 from pagoda.sampling_params import SamplingParams
 
 

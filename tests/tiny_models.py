@@ -215,3 +215,35 @@ def save_byte_tokenizer(folder: Path, chat_template: str | None = None) -> None:
     tok.save(str(folder / "tokenizer.json"))
     if chat_template is not None:
         (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
+
+
+def build_tiny_eagle3_head(path: Path, target: str | Path, draft_vocab_size: int | None = None, seed: int = 0) -> Path:
+    """A random EAGLE-3 head for the HF model at `target`, in the published format; with `draft_vocab_size`
+    below the target's, its draft vocabulary is every other token (d2t maps it)."""
+    from pagoda.model.args import ModelArgs
+    from pagoda.spec_decode.eagle3_head import Eagle3Config, save_head
+
+    args = ModelArgs.from_hf_config(json.loads((Path(target) / "config.json").read_text()))
+    vd = draft_vocab_size or args.vocab_size
+    c = Eagle3Config.for_target(args, vd)
+    h, q, kv, inter = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, \
+        args.intermediate_size
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    tensors = {"fc.weight": rnd(h, 3 * h), "midlayer.self_attn.q_proj.weight": rnd(q, 2 * h),
+               "midlayer.self_attn.k_proj.weight": rnd(kv, 2 * h), "midlayer.self_attn.v_proj.weight": rnd(kv, 2 * h),
+               "midlayer.self_attn.o_proj.weight": rnd(h, q), "midlayer.mlp.gate_proj.weight": rnd(inter, h),
+               "midlayer.mlp.up_proj.weight": rnd(inter, h), "midlayer.mlp.down_proj.weight": rnd(h, inter),
+               "midlayer.input_layernorm.weight": 1 + rnd(h), "midlayer.hidden_norm.weight": 1 + rnd(h),
+               "midlayer.post_attention_layernorm.weight": 1 + rnd(h), "norm.weight": 1 + rnd(h),
+               "lm_head.weight": rnd(vd, h)}
+    draft_ids = torch.arange(vd) * (args.vocab_size // vd)
+    tensors["d2t"] = draft_ids - torch.arange(vd)
+    t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors["t2d"] = t2d
+    save_head(path, c, tensors)
+    return path

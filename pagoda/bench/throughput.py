@@ -260,9 +260,8 @@ def _print_report(report: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch  # here, not at the top: `--help` reads add_arguments without loading torch
 
-    from pagoda.bench.roofline import Roofline, decode_weight_bytes, efficiency, measure_roofline, workload_flops
-
     from pagoda import LLM
+    from pagoda.bench.roofline import Roofline, decode_weight_bytes, efficiency, measure_roofline, workload_flops
 
     load_at_start = os.getloadavg()[0]
     if args.dataset == "json-schema":  # its peers here cannot all constrain: the offline A/B has its own command

@@ -402,6 +402,8 @@ class LLMEngine:
         # valid KV: the scheduler rolls it back.
         rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in spec_rows}
         self.scheduler.update(sched, rejected)
+        if self.speculator is not None:
+            self.speculator.after_update(sched, out.aux_hidden)
         if verified is not None and self.speculator is not None:
             self.speculator.settle(verified, sum(appended.get(s, 0) for s in verified.seqs))
         self.stats.num_scheduled_tokens += sched.total_tokens

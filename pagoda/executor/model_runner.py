@@ -39,6 +39,9 @@ class ModelOutput:
     prompt_logits: dict[int, torch.Tensor]
     # Speculative verification: per scheduled index, fp32 [1 + k, V] logits at the last token and its k proposals.
     spec_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # EAGLE-3: the residual stream entering each captured layer, side by side, at every token of the step
+    # [T, 3 * hidden] (the model's aux_layers; None when none are set).
+    aux_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -185,14 +188,37 @@ class ModelRunner:
             spans = step.spec_spans
             spec = self.model.compute_logits(torch.cat([hidden[s:s + length] for s, length in spans.values()]))
             spec_logits = dict(zip(spans, spec.cpu().split([length for _, length in spans.values()])))
+        aux = self.model.aux_hidden if self.model.aux_layers and step.num_layers is None else None
         return ModelOutput(sample_logits=logits.cpu(), sample_rows=step.sample_rows,
-                           prompt_logits={r: t.cpu() for r, t in prompt_logits.items()}, spec_logits=spec_logits)
+                           prompt_logits={r: t.cpu() for r, t in prompt_logits.items()}, spec_logits=spec_logits,
+                           aux_hidden=aux)
 
     def forward_rows(self, rows: list[tuple[list[int], int, list[int]]], num_layers: int | None = None) -> torch.Tensor:
         """Run (tokens, first position, block table) rows, writing their KV; fp32 logits at each row's last token.
 
         The drafting path of speculative decoding: `num_layers` stops after the first L layers (early exit)."""
         return self.run(rows_input(rows, self.block_size, num_layers)).sample_logits
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One whole sequence through the model in one forward, written into the pool's first blocks (scratch:
+        for offline use, with nothing else running): the residual stream entering each of `layers`, side by
+        side [T, len(layers) * hidden], and fp32 logits at every position [T, V]."""
+        n_blocks = -(-len(token_ids) // self.block_size)
+        if n_blocks > self.kv_caches[0][0].shape[0]:
+            raise ValueError(f"{len(token_ids)} tokens do not fit the KV pool")
+        batch = FlatBatch(self.block_size)
+        batch.add(token_ids, 0, list(range(n_blocks)))
+        model, saved = self.model, self.model.aux_layers
+        model.aux_layers = layers
+        try:
+            hidden = model(torch.tensor(token_ids, device=self.device),
+                           torch.tensor(batch.positions, device=self.device), batch.metadata(self.device))
+            aux = model.aux_hidden
+        finally:
+            model.aux_layers = saved
+        assert aux is not None
+        return aux, model.compute_logits(hidden)
 
 
 @dataclass

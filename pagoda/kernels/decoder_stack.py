@@ -41,6 +41,7 @@ class DecoderStack:
     _bound_dtype: torch.dtype | None = None
     _caches: tuple[list, list, list, list] = field(default_factory=lambda: ([], [], [], []))
     _attention_ok: bool = False
+    _segments: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
     @staticmethod
     def build(norms: list[torch.Tensor], linears: list[LinearArgs | None], eps: float, attention: list,
@@ -64,6 +65,7 @@ class DecoderStack:
             self._attention_ok = fused_attention_supported(probe, a0.k_cache, a0.k_scale is not None) \
                 and not any(a.softcap for a in self.attention)  # the op runs plain or windowed attention
             self._bound_cache, self._bound_dtype = a0.k_cache, x.dtype
+            self._segments.clear()
         return self._attention_ok
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -76,3 +78,27 @@ class DecoderStack:
             meta.seq_lens, k, v, ks, vs, self.norms, self.qk_norms, self.linears, self.formats, self.group_sizes,
             self.windows, self.eps,
             a0.scale, a0.num_heads, a0.num_kv_heads, num_layers)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, start: int,
+                   end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [start, end) with x as the residual stream entering `start` (the op's lists from that layer on)."""
+        seg = self._segments.get((start, end))
+        if seg is None:
+            k, v, ks, vs = self._caches
+            per = _LINEARS_PER_LAYER
+            seg = self._segments[start, end] = (
+                k[start:end], v[start:end], ks[start:end], vs[start:end], self.norms[2 * start:2 * end],
+                self.qk_norms[2 * start:2 * end], self.linears[start * per * _ENTRIES:end * per * _ENTRIES],
+                self.formats[start * per:end * per], self.group_sizes[start * per:end * per],
+                self.windows[start:end])
+        k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows = seg
+        a0, rope = self.attention[0], self.rope
+        return torch.ops.pagoda.decoder_stack(
+            x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows, self.eps,
+            a0.scale, a0.num_heads, a0.num_kv_heads, end - start)
+
+
+# The op's flat per-layer order (decoder_stack.cpp): qkv, o, gate_up, down, each [weight, scales, offsets, bias].
+_LINEARS_PER_LAYER = 4
+_ENTRIES = 4

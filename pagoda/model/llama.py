@@ -116,6 +116,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.stack: DecoderStack | None = None  # the layers as one C++ op for few-row steps (prepare())
         self.lora: LoRAMapping | None = None  # the step's adapter rows, where LoRA is on (lora/manager.py)
+        # EAGLE-3 drafting: the residual stream entering each of these layers is kept, side by side, in
+        # `aux_hidden` [T, len * hidden] after every forward (spec_decode/eagle3.py reads it).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def _mlp(self, a: ModelArgs, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP where it is not LlamaMLP (None): a MoE model's sparse blocks (model/moe.py)."""
@@ -144,16 +148,45 @@ class LlamaForCausalLM(nn.Module):
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. `num_layers` exits early (self-speculative drafts)."""
         x = self.embed_tokens(input_ids)
+        n = len(self.layers) if num_layers is None else num_layers
+        capture = self.aux_layers if num_layers is None else ()
         stack = self.stack
         # The C++ stack runs no LoRA: a step with adapter rows goes layer by layer.
         if stack is not None and (self.lora is None or not self.lora.active) and stack.takes(x):
-            x, residual = stack(x, positions, meta, len(self.layers) if num_layers is None else num_layers)
-            return self.norm(x, residual)
+            if not capture:
+                x, residual = stack(x, positions, meta, n)
+                return self.norm(x, residual)
+            return self.norm(*self._stack_capturing(stack, x, positions, meta, capture))
         residual = None
+        streams: dict[int, torch.Tensor] = {}
         # Not self.layers[:n]: slicing a ModuleList builds a new one every step.
-        for layer in self.layers if num_layers is None else islice(self.layers, num_layers):
+        for i, layer in enumerate(self.layers if num_layers is None else islice(self.layers, num_layers)):
+            if i in capture:
+                streams[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, positions, meta)
+        if capture:
+            self.aux_hidden = torch.cat([streams[i] for i in capture], dim=-1)
         return self.norm(x, residual)
+
+    def _stack_capturing(self, stack: DecoderStack, x: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stack run in segments that end at each captured layer. A segment starts from the residual
+        stream x + residual as a first layer does, which the fused norm computes identically (it normalizes
+        the stored sum), so the output is the same bits as one call."""
+        streams: dict[int, torch.Tensor] = {}
+        done = 0
+        residual: torch.Tensor | None = None
+        for end in (*sorted(set(capture)), len(self.layers)):
+            if end > done:
+                if residual is not None:
+                    x = x + residual
+                x, residual = stack.run_layers(x, positions, meta, done, end)
+                done = end
+            if end < len(self.layers):
+                streams[end] = x if residual is None else x + residual
+        self.aux_hidden = torch.cat([streams[i] for i in capture], dim=-1)
+        assert residual is not None
+        return x, residual
 
     def prepare(self, policy: KernelPolicy) -> None:
         """Called once the weights are loaded (and tied): lets each layer pick its kernels under `policy`."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "self")
+METHODS = ("ngram", "draft_model", "self", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read `model`
 
 
 @dataclass
@@ -13,7 +14,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int                # k: the most tokens proposed per request per step
     prompt_lookup_min: int = 1                 # ngram: shortest suffix matched
     prompt_lookup_max: int = 4                 # ngram: longest suffix matched (tried first)
-    model: str | None = None                   # draft_model: an HF folder or .gguf with the target's vocabulary
+    model: str | None = None                   # draft_model: an HF folder or .gguf with the target's vocabulary;
+                                               # eagle3: a head folder (spec_decode/eagle3_head.py)
     num_draft_layers: int | None = None        # self: the early-exit depth L
     adaptive: bool = True                      # pick k per request from measured acceptance and step cost
 
@@ -40,10 +42,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be at most 16")
         if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
             raise ValueError("speculative_config.prompt_lookup_min must not exceed prompt_lookup_max")
-        if method == "draft_model" and not cfg.model:
-            raise ValueError("speculative_config.model is required for method 'draft_model'")
-        if method != "draft_model" and cfg.model is not None:
-            raise ValueError(f"speculative_config.model applies to method 'draft_model', not {method!r}")
+        if method in MODEL_METHODS and not cfg.model:
+            raise ValueError(f"speculative_config.model is required for method {method!r}")
+        if method not in MODEL_METHODS and cfg.model is not None:
+            raise ValueError(f"speculative_config.model applies to methods {', '.join(MODEL_METHODS)}, "
+                             f"not {method!r}")
         if method == "self" and cfg.num_draft_layers is None:
             raise ValueError("speculative_config.num_draft_layers is required for method 'self'")
         if method != "self" and cfg.num_draft_layers is not None:

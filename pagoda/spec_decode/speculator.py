@@ -31,6 +31,7 @@ from pagoda.spec_decode import rejection
 from pagoda.spec_decode.adaptive import AdaptivePolicy, StepCostModel
 from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.draft import ModelDraftProposer
+from pagoda.spec_decode.eagle3 import Eagle3Proposer
 from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
@@ -110,7 +111,7 @@ class Speculator:
         self.target = target
         self.stats = SpecDecodeStats()
         self.ngram: NgramProposer | None = None
-        self.drafter: ModelDraftProposer | None = None
+        self.drafter: ModelDraftProposer | Eagle3Proposer | None = None
         self._draft_probs: dict[int, torch.Tensor] = {}
         n_blocks = kv.pool.num_blocks
         if cfg.method == "ngram":
@@ -120,6 +121,8 @@ class Speculator:
                 raise ValueError(f"speculative_config.num_draft_layers must be below the model's "
                                  f"{target.args.num_layers} layers")
             self.drafter = ModelDraftProposer(target, kv, None, cfg.num_draft_layers)
+        elif cfg.method == "eagle3":
+            self.drafter = _load_eagle3(cfg, target, kv)
         else:
             self.drafter = _load_draft_model(cfg, target, kv, tokenizer)
         cost = StepCostModel(0.0, 0.0)
@@ -127,9 +130,12 @@ class Speculator:
             t1, t_many = _calibrate(target, n_blocks, None, ((1, 1), (1, 32)))
             cost.add_point(1, t1, weight=5.0)
             cost.add_point(32, t_many, weight=5.0)
-            if self.drafter is not None:
+            if isinstance(self.drafter, Eagle3Proposer):
+                d1, d8 = self.drafter.calibrate()
+            elif self.drafter is not None:
                 d_runner, d_blocks = self.drafter.runner, (self.drafter.draft_kv or kv).pool.num_blocks
                 d1, d8 = _calibrate(d_runner, d_blocks, self.drafter.num_layers, ((1, 1), (8, 1)))
+            if self.drafter is not None:
                 cost.d1 = max((d8 - d1) / 7, 1e-7)
                 cost.d0 = max(d1 - cost.d1, 1e-6)
             logger.info("speculation cost model: forward %.2f ms + %.3f ms/token, draft pass %.2f ms + %.3f ms/row",
@@ -179,10 +185,13 @@ class Speculator:
         budget kept), cut to what each grammar allows; the n-gram proposer has nothing left to do."""
         if self.drafter is None:
             return
+        if isinstance(self.drafter, Eagle3Proposer):
+            self.drafter.note_starts(sched)
         rows = [s for s in sched.seqs if s.spec_token_ids]
         if not rows:
             return
-        if self.drafter.draft_kv is None:  # a self draft reads the target's pool: copy-on-write copies first
+        # A self draft reads the target's pool: copy-on-write copies first.
+        if isinstance(self.drafter, ModelDraftProposer) and self.drafter.draft_kv is None:
             self.target.copy_blocks(sched.block_copies)
             sched.block_copies = []
         drafts, probs = self.drafter.propose(rows, [len(s.spec_token_ids) for s in rows])
@@ -190,6 +199,11 @@ class Speculator:
             seq.spec_token_ids = _grammar_prefix(seq, d)
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
+
+    def after_update(self, sched: SchedulerOutput, aux_hidden: torch.Tensor | None) -> None:
+        """After Scheduler.update: an EAGLE head catches up over the positions the step made valid."""
+        if isinstance(self.drafter, Eagle3Proposer):
+            self.drafter.catch_up(sched, aux_hidden)
 
     def observe_step(self, num_tokens: int, forward_s: float, step_s: float) -> None:
         if self.cfg.adaptive:
@@ -238,7 +252,7 @@ class Speculator:
             st.num_draft_tokens += k
             st.num_accepted_tokens += accepted
             self.policy.update(seq.seq_id, k, accepted)
-            if self.drafter is not None:
+            if isinstance(self.drafter, ModelDraftProposer):
                 self.drafter.rollback(seq)
 
 
@@ -265,6 +279,22 @@ def _load_draft_model(cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheMa
     runner.allocate_kv_cache(num_blocks)
     draft_kv = KVCacheManager(num_blocks, target.config.cache.block_size, enable_prefix_caching=False)
     return ModelDraftProposer(runner, kv, draft_kv, None)
+
+
+def _load_eagle3(cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager) -> Eagle3Proposer:
+    from pagoda.model.llama import LlamaForCausalLM
+    from pagoda.spec_decode.eagle3_head import load_head
+
+    assert cfg.model is not None
+    if not isinstance(target, ModelRunner):
+        raise ValueError("speculative_config: method 'eagle3' runs with tensor_parallel_size 1")
+    model = target.model
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        raise ValueError(f"speculative_config: method 'eagle3' drafts for Llama-family targets, not "
+                         f"{target.args.architecture}")
+    head = load_head(cfg.model, target.args, model.embed_tokens, target.dtype, target.policy)
+    model.aux_layers = head.config.aux_layers
+    return Eagle3Proposer(head, kv.pool.num_blocks, kv.block_size, target.args.vocab_size)
 
 
 def _grammar_prefix(seq: Sequence, proposal: list[int]) -> list[int]:

@@ -29,8 +29,13 @@ import torch
 
 from pagoda.config import StructuredOutputsConfig, parse_memory
 from pagoda.structured.backend import GrammarBackend, Matcher, make_backend
-from pagoda.structured.compile_workers import (CompileBudget, CompileBudgetError, CompileCancelled, CompileWorkers,
-                                               WorkerSpec)
+from pagoda.structured.compile_workers import (
+    CompileBudget,
+    CompileBudgetError,
+    CompileCancelled,
+    CompileWorkers,
+    WorkerSpec,
+)
 from pagoda.structured.limits import JUMP_FORWARD_MAX_CHARS, check_alternatives, json_schema_sizes
 from pagoda.structured.params import StructuredOutputsParams
 

@@ -1,0 +1,172 @@
+"""EAGLE-3 drafting: a one-layer head over the target's own hidden states (eagle3_head.py), chain drafts.
+
+The target's forward keeps the residual stream entering three of its layers (LlamaForCausalLM.aux_layers) at
+every token, in the same pass. After each step, once the scheduler has rolled rejected tokens back, the head
+catches up over the positions that became valid: at position p it reads the target's states at p and the
+token at p + 1, writing its one layer's KV into a small pool beside the target's. The last of these rows
+predicts the first draft of the next step; each further draft is one pass over the head's own previous
+state and draft token. A chain's KV (positions past the target's) is speculative, and the next catch-up
+writes over it with what the target verified.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Sequence
+from pagoda.core.scheduler import SchedulerOutput
+from pagoda.executor.model_runner import FlatBatch
+from pagoda.spec_decode.eagle3_head import Eagle3Head
+
+
+@dataclass
+class _SeqState:
+    base: int                           # the position of the draft pool's first slot for this sequence
+    computed: int                       # positions base..computed-1 hold KV from the target's own states
+    state: torch.Tensor | None = None   # the head's output at computed - 1 (when computed = num_tokens - 1)
+    logits: torch.Tensor | None = None  # its draft-vocabulary logits: the next step's first draft
+
+
+class Eagle3Proposer:
+    def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int, vocab_size: int) -> None:
+        self.head = head
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        head.allocate_kv(num_blocks, block_size)
+        self.draft_kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.seqs: dict[int, _SeqState] = {}
+        self._starts: list[int] = []
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def release_except(self, live: set[int]) -> None:
+        for seq_id in [s for s in self.seqs if s not in live]:
+            del self.seqs[seq_id]
+            self.draft_kv.free(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self.draft_kv.free(seq_id)
+
+    def note_starts(self, sched: SchedulerOutput) -> None:
+        """Before the forward: where each scheduled row starts (its tokens' states come back after it)."""
+        self._starts = [s.num_computed_tokens for s in sched.seqs]
+
+    # ---- after the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up(self, sched: SchedulerOutput, aux: torch.Tensor | None) -> None:
+        """After Scheduler.update: run the head over each row's newly valid positions (the target's states
+        there and the token after each), and keep the last row's output where the sequence decodes next."""
+        if aux is None or len(self._starts) != len(sched.seqs):
+            return
+        batch = FlatBatch(self.block_size)
+        positions: list[int] = []
+        picks: list[int] = []
+        ends: list[tuple[_SeqState, int]] = []  # (sequence state, flat row of its last position)
+        offset = 0
+        for seq, n_sched, start in zip(sched.seqs, sched.num_scheduled, self._starts):
+            off, offset = offset, offset + n_sched
+            new = seq.num_computed_tokens
+            if seq.finished or new <= start:
+                continue
+            st = self.seqs.get(seq.seq_id)
+            if st is None or st.computed != start:  # new, preempted, or a prefix hit skipped positions
+                self._drop(seq.seq_id)
+                st = self.seqs[seq.seq_id] = _SeqState(base=start, computed=start)
+            if not self.draft_kv.allocate_slots(seq.seq_id, start - st.base, new - start):
+                self._drop(seq.seq_id)
+                continue
+            batch.add(seq.token_ids[start + 1:new + 1], start - st.base, self.draft_kv.block_tables[seq.seq_id])
+            positions.extend(range(start, new))
+            picks.extend(range(off, off + new - start))
+            st.computed, st.state, st.logits = new, None, None
+            if new == seq.num_tokens - 1:
+                ends.append((st, len(positions) - 1))
+        if not positions:
+            return
+        head = self.head
+        out = head(torch.tensor(batch.input_ids), aux[torch.tensor(picks)], torch.tensor(positions),
+                   batch.metadata(torch.device("cpu")), from_target=True)
+        if ends:
+            rows = torch.tensor([r for _, r in ends])
+            last = out[rows]
+            logits = head.logits(last)
+            for i, (st, _) in enumerate(ends):
+                st.state, st.logits = last[i], logits[i]
+
+    # ---- drafting --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Up to ks[i] tokens per sequence, and q ([k, V]) for rows that sample (None for greedy rows)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        live: list[int] = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            st = self.seqs.get(seq.seq_id)
+            if k <= 0 or st is None or st.logits is None or st.computed != seq.num_tokens - 1:
+                continue
+            if k > 1 and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, k - 1):
+                self._drop(seq.seq_id)
+                continue
+            live.append(i)
+        if not live:
+            return drafts, [None] * len(seqs)
+        head = self.head
+        logits = torch.stack([self.seqs[seqs[i].seq_id].logits for i in live])  # type: ignore[misc]
+        state = torch.stack([self.seqs[seqs[i].seq_id].state for i in live])  # type: ignore[misc]
+        depth = 0
+        while True:
+            for j, i in enumerate(live):
+                token, q = self._sample(logits[j], seqs[i])
+                drafts[i].append(token)
+                if q is not None:
+                    qs[i].append(q)
+            depth += 1
+            keep = [j for j, i in enumerate(live) if ks[i] > depth]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            state = state[torch.tensor(keep)]
+            batch = FlatBatch(self.block_size)
+            positions = []
+            for i in live:
+                st = self.seqs[seqs[i].seq_id]
+                pos = st.computed - 1 + depth  # the chain's depth-th row: the token drafted last, one past
+                batch.add([drafts[i][-1]], pos - st.base, self.draft_kv.block_tables[seqs[i].seq_id])
+                positions.append(pos)
+            state = head(torch.tensor(batch.input_ids), state, torch.tensor(positions),
+                         batch.metadata(torch.device("cpu")), from_target=False)
+            logits = head.logits(state)
+        return drafts, [torch.stack(q) if q else None for q in qs]
+
+    def _sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
+        """A draft-vocabulary row -> (target token, q over the target vocabulary, None for greedy rows)."""
+        p = seq.request.params
+        if p.greedy:
+            return int(self.head.to_target(logits.argmax())), None
+        q_draft = (logits / p.temperature).softmax(dim=-1)
+        d = torch.multinomial(q_draft, 1, generator=seq.generator)[0]
+        q = torch.zeros(self.vocab_size)
+        q[self.head.to_target(torch.arange(q_draft.shape[0]))] = q_draft
+        return int(self.head.to_target(d)), q
+
+    def calibrate(self, reps: int = 5) -> tuple[float, float]:
+        """Seconds of one chain pass over 1 and over 8 rows (best of `reps`), in blocks all free at start-up."""
+        h = self.head.hidden_size
+        dtype = self.head.norm.weight.dtype
+        best = [float("inf"), float("inf")]
+        for rep in range(reps + 1):
+            for i, rows in enumerate((1, 8)):
+                batch = FlatBatch(self.block_size)
+                for r in range(rows):
+                    batch.add([0], 0, [r])
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = self.head(torch.tensor(batch.input_ids), torch.zeros(rows, h, dtype=dtype),
+                                    torch.zeros(rows, dtype=torch.long), batch.metadata(torch.device("cpu")), False)
+                    self.head.logits(out)
+                if rep:
+                    best[i] = min(best[i], time.perf_counter() - t0)
+        return best[0], best[1]

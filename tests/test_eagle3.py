@@ -1,0 +1,124 @@
+"""EAGLE-3: the target's captured states match transformers' hidden states and leave its output unchanged;
+the head's incremental drafts (catch-up after every step, chains over paged KV) equal drafts computed from
+the whole history at once; the head's file is checked as it loads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import build_tiny_eagle3_head, build_tiny_model
+
+from pagoda import LLM, SamplingParams
+from pagoda.executor.model_runner import FlatBatch
+from pagoda.spec_decode.eagle3 import Eagle3Proposer
+from pagoda.spec_decode.eagle3_head import default_aux_layers
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny6(tmp_path_factory) -> str:
+    """Six layers, so the three captured layers (2, 3, 3) are not the first."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny6"), "llama", vocab_size=64, num_hidden_layers=6))
+
+
+@pytest.fixture(scope="module")
+def head6(tmp_path_factory, tiny6) -> str:
+    return str(build_tiny_eagle3_head(tmp_path_factory.mktemp("head6"), tiny6, draft_vocab_size=32))
+
+
+def test_captured_states_are_transformers_hidden_states(tiny6, default_gguf):
+    from transformers import AutoModelForCausalLM
+
+    ids = [3, 9, 27, 5, 44, 12, 7, 7, 30, 2, 61]
+    layers = default_aux_layers(6)
+    llm = LLM(tiny6, tokenizer=default_gguf, dtype="float32", block_size=BLOCK)
+    aux, logits = llm.engine.runner.hidden_states(ids, layers)
+    hf = AutoModelForCausalLM.from_pretrained(tiny6, torch_dtype=torch.float32)
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)  # hidden_states[i]: entering layer i
+    torch.testing.assert_close(aux, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, out.logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 40], ids=["decoder-stack", "layer-by-layer"])
+def test_capturing_leaves_the_target_bit_identical(tiny6, default_gguf, rows):
+    llm = LLM(tiny6, tokenizer=default_gguf, dtype="bfloat16", block_size=BLOCK)
+    model = llm.engine.runner.model
+    ids = [(7 * i) % 64 for i in range(rows)]
+    batch = FlatBatch(BLOCK)
+    batch.add(ids, 0, list(range(-(-rows // BLOCK))))
+
+    def run(layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model.aux_layers, model.aux_hidden = layers, None
+        with torch.inference_mode():
+            h = model(torch.tensor(ids), torch.tensor(batch.positions), batch.metadata(torch.device("cpu")))
+        return h, model.aux_hidden
+
+    plain, none = run(())
+    captured, aux = run((2, 3, 5))
+    assert none is None and aux is not None and aux.shape == (rows, 3 * plain.shape[1])
+    assert torch.equal(plain, captured)
+    # The first captured stream is what layer 2 reads: the embedding after two layers, the same either way.
+    model.aux_layers = ()
+    assert torch.equal(aux, run((2, 3, 5))[1])
+
+
+def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, default_gguf):
+    """Record every proposal the engine makes (chunked prefill, several sequences, k = 3), then recompute
+    each from scratch: one catch-up over the whole history and one chain. Any stale or misplaced draft KV,
+    state or position makes them differ."""
+    llm = LLM(tiny6, tokenizer=default_gguf, dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
+              speculative_config={"method": "eagle3", "model": head6, "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    spec = llm.engine.speculator
+    proposer: Eagle3Proposer = spec.drafter
+    seen: list[tuple[list[int], int, list[int]]] = []
+    propose = proposer.propose
+
+    def recording(seqs, ks):
+        drafts, probs = propose(seqs, ks)
+        seen.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, ks, drafts) if d)
+        return drafts, probs
+
+    proposer.propose = recording
+    prompts = [[5, 6, 7, 8] * 5, list(range(10, 33)), [1, 2, 3]]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len(seen) >= 6
+    runner = llm.engine.runner
+    fresh = Eagle3Proposer(proposer.head, 64, BLOCK, runner.args.vocab_size)
+    for i, (tokens, k, drafts) in enumerate(seen):
+        aux, _ = runner.hidden_states(tokens, proposer.head.config.aux_layers)
+        n = len(tokens)
+        seq = SimpleNamespace(seq_id=1000 + i, token_ids=tokens, num_tokens=n, num_computed_tokens=0,
+                              finished=False, request=SimpleNamespace(params=SimpleNamespace(greedy=True)))
+        sched = SimpleNamespace(seqs=[seq], num_scheduled=[n - 1])
+        fresh.note_starts(sched)
+        seq.num_computed_tokens = n - 1
+        fresh.catch_up(sched, aux)
+        want, _ = fresh.propose([seq], [k])
+        assert drafts == want[0], f"proposal {i} at length {n}"
+        fresh.release_except(set())
+
+
+def test_a_bad_head_is_one_line_naming_its_file(tiny6, head6, default_gguf, tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((Path(head6) / "config.json").read_text())
+    tensors = load_file(Path(head6) / "model.safetensors")
+    del tensors["fc.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    cfg = {"method": "eagle3", "model": str(bad), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"model\.safetensors: missing 1 weight.*fc\.weight"):
+        LLM(tiny6, tokenizer=default_gguf, dtype="float32", speculative_config=cfg)
+    cfg_json = json.loads((Path(head6) / "config.json").read_text())
+    cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 9]
+    (bad / "config.json").write_text(json.dumps(cfg_json))
+    with pytest.raises(ValueError, match=r"config\.json: .*three layers of the target's 6"):
+        LLM(tiny6, tokenizer=default_gguf, dtype="float32", speculative_config=cfg)
