@@ -9,8 +9,8 @@ draft()    after scheduling: a model drafter writes its proposals over the place
            drops what the drafter or the grammar left unfilled.
 verify()   after the forward: rejection-sample each sequence's positions into the tokens it emits (a ragged
            Emitted: the accepted proposals and the target's own). The engine appends them through the stop
-           rules and Scheduler.update rolls back what was rejected; then settle() records the acceptance and
-           rolls the draft back.
+           rules and Scheduler.update rolls back what was rejected; then settle() records the acceptance,
+           rolls a draft model back, and lets an EAGLE head catch up (eagle3.py).
 """
 from __future__ import annotations
 
@@ -200,11 +200,6 @@ class Speculator:
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
 
-    def after_update(self, sched: SchedulerOutput, aux_hidden: torch.Tensor | None) -> None:
-        """After Scheduler.update: an EAGLE head catches up over the positions the step made valid."""
-        if isinstance(self.drafter, Eagle3Proposer):
-            self.drafter.catch_up(sched, aux_hidden)
-
     def observe_step(self, num_tokens: int, forward_s: float, step_s: float) -> None:
         if self.cfg.adaptive:
             self.policy.cost.observe(num_tokens, forward_s, step_s)
@@ -241,11 +236,17 @@ class Speculator:
         return Verified(seqs, emitted, [r.params_batch_index for r in rows], [len(r.draft) for r in rows],
                         raw_logprobs, batch.max_logprobs, dead)
 
-    def settle(self, verified: Verified, num_emitted: int) -> None:
-        """After the emitted tokens are appended (`num_emitted` of them, after stops) and Scheduler.update
-        rolled KV back: count the acceptance, let the adaptive policy learn from it, and roll the draft back."""
+    def settle(self, sched: SchedulerOutput, verified: Verified | None, appended: dict[Sequence, int],
+               aux_hidden: torch.Tensor | None) -> None:
+        """After the emitted tokens are appended (`appended`: how many per sequence, after stops) and
+        Scheduler.update rolled KV back: count the acceptance, let the adaptive policy learn from it, roll a
+        draft model back, and let an EAGLE head catch up over the positions the step made valid."""
+        if isinstance(self.drafter, Eagle3Proposer):
+            self.drafter.catch_up(sched, aux_hidden)
+        if verified is None:
+            return
         st = self.stats
-        st.num_emitted_tokens += num_emitted
+        st.num_emitted_tokens += sum(appended.get(s, 0) for s in verified.seqs)
         for seq, e, k in zip(verified.seqs, verified.emitted, verified.num_proposed):
             accepted = len(e) - 1
             st.num_drafts += 1
