@@ -91,6 +91,8 @@ def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32
         assert stats.num_accepted_tokens > 0, "speculation never happened"
     if cfg.get("model") == tiny_llama:  # the target as its own draft: (nearly) everything is accepted
         assert stats.acceptance_rate > 0.9
+    per_pos = stats.accepted_per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
     if cfg.get("adaptive") is False:
         assert stats.num_draft_tokens > 0, "nothing was drafted"
@@ -207,8 +209,12 @@ def test_spec_counters_reach_the_metrics_endpoint():
 
     m = ServerMetrics("m")
     m.on_step(EngineStats(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12,
-                          spec_decode_num_accepted_tokens=7, spec_decode_num_emitted_tokens=10))
+                          spec_decode_num_accepted_tokens=7, spec_decode_num_emitted_tokens=10,
+                          spec_decode_num_accepted_tokens_per_pos=(3, 3, 1)))
+    m.on_step(EngineStats(spec_decode_num_accepted_tokens_per_pos=(3, 4, 1)))
     text = m.render().decode()
+    assert 'pagoda:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 4.0' in text
+    assert 'pagoda:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
     assert 'pagoda:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
     assert 'pagoda:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
     assert 'pagoda:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text

@@ -316,6 +316,7 @@ class LLMEngine:
             stats.spec_decode_num_draft_tokens = spec.num_draft_tokens
             stats.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
             stats.spec_decode_num_emitted_tokens = spec.num_emitted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = tuple(spec.accepted_per_pos)
         return stats
 
     # ---- the step ------------------------------------------------------------------------------

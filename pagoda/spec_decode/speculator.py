@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0      # proposals verified
     num_accepted_tokens: int = 0   # proposals accepted
     num_emitted_tokens: int = 0    # tokens those verifications appended (accepted + the target's own, after stops)
+    # accepted_per_pos[j]: verifications whose proposal j (0-based) was accepted (vLLM's _per_pos counter).
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -252,6 +254,10 @@ class Speculator:
             st.num_drafts += 1
             st.num_draft_tokens += k
             st.num_accepted_tokens += accepted
+            if len(st.accepted_per_pos) < accepted:
+                st.accepted_per_pos += [0] * (accepted - len(st.accepted_per_pos))
+            for j in range(accepted):
+                st.accepted_per_pos[j] += 1
             self.policy.update(seq.seq_id, k, accepted)
             if isinstance(self.drafter, ModelDraftProposer):
                 self.drafter.rollback(seq)

@@ -66,6 +66,9 @@ class ServerMetrics:
         self.spec_accepted_tokens = counter("pagoda:spec_decode_num_accepted_tokens", "Speculative tokens accepted")
         self.spec_emitted_tokens = counter("pagoda:spec_decode_num_emitted_tokens",
                                            "Tokens emitted by speculative verifications (accepted + the target's)")
+        self.spec_accepted_per_pos = counter("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative tokens accepted, by their position in the proposal",
+                                             ["position"])
         self.request_success = counter("pagoda:request_success", "Finished requests by finish reason",
                                        ["finished_reason"])
         self.ttft = hist("pagoda:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
@@ -124,6 +127,11 @@ class ServerMetrics:
             if delta > 0:
                 counter_.labels(m).inc(delta)
                 self._last_totals[name] = total
+        for pos, total in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            delta = total - self._last_totals.get(f"pos{pos}", 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(m, str(pos)).inc(delta)
+                self._last_totals[f"pos{pos}"] = total
 
     def on_prompt(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self._label).inc(num_prompt_tokens)
