@@ -53,7 +53,8 @@ class PoolingRunner:
             self._load_causal_lm(folder, dtype, max_model_len, classifier_from_token, kernels, quantization)
         else:
             raise ValueError(f"{folder}: {_read_config(folder).get('architectures')} is neither an encoder (BERT, "
-                             "MiniLM, RoBERTa, XLM-RoBERTa and their cross-encoders) nor a causal LM Pagoda loads")
+                             "MiniLM, RoBERTa, XLM-RoBERTa, MPNet and their cross-encoders) nor a causal LM "
+                             "Pagoda loads")
         self.tokenizer.no_truncation()  # limits are ours to apply, and a 400 where no truncation was asked
         self.tokenizer.no_padding()
 
