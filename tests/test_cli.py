@@ -36,7 +36,7 @@ sys.meta_path.insert(0, _Absent())
 
 COMMANDS = [["generate"], ["chat"], ["serve"], ["quantize"], ["bench"], ["bench", "throughput"],
             ["bench", "serve"], ["bench", "quant"], ["bench", "structured"], ["eval"], ["eval", "perplexity"],
-            ["kernels"], ["batch"], ["batch", "run"], ["bench", "embed"]]
+            ["kernels"], ["batch"], ["batch", "run"], ["bench", "embed"], ["train-eagle"]]
 
 
 def _run_cli(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -87,7 +87,8 @@ print(sorted(k for k in sys.modules if k.partition(".")[0] in {TEST_ONLY!r}))
 
 # Every command: its --help needs no torch (the heavy modules import it where they run, not at the top).
 LIGHT = [[], ["generate"], ["chat"], ["serve"], ["kernels"], ["bench", "serve"], ["bench", "structured"],
-         ["bench", "embed"], ["eval", "perplexity"], ["bench", "throughput"], ["bench", "quant"], ["quantize"]]
+         ["bench", "embed"], ["eval", "perplexity"], ["bench", "throughput"], ["bench", "quant"], ["quantize"],
+         ["train-eagle"]]
 
 
 @pytest.mark.parametrize("argv", [[*c, "--help"] for c in LIGHT] + [["--version"]], ids=" ".join)

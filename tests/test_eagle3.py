@@ -122,3 +122,18 @@ def test_a_bad_head_is_one_line_naming_its_file(tiny6, head6, default_gguf, tmp_
     (bad / "config.json").write_text(json.dumps(cfg_json))
     with pytest.raises(ValueError, match=r"config\.json: .*three layers of the target's 6"):
         LLM(tiny6, tokenizer=default_gguf, dtype="float32", speculative_config=cfg)
+
+
+def test_bf16_with_the_kernels_is_plain_decoding(tiny6, head6, default_gguf):
+    """bf16 runs the C++ decoder stack in segments around the captured layers, and the head on the kernels."""
+    prompts = [[5, 6, 7, 8] * 5, list(range(10, 33)), [1, 2, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(tiny6, tokenizer=default_gguf, dtype="bfloat16", block_size=BLOCK)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(tiny6, tokenizer=default_gguf, dtype="bfloat16", block_size=BLOCK,
+               speculative_config={"method": "eagle3", "model": head6, "num_speculative_tokens": 3,
+                                   "adaptive": False})
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert spec.engine.speculator.stats.num_draft_tokens > 0

@@ -1,4 +1,4 @@
-"""The `pagoda` command: generate, chat, serve, bench."""
+"""The `pagoda` command: generate, chat, serve, bench, train-eagle."""
 from __future__ import annotations
 
 import argparse
@@ -283,6 +283,50 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.pop()  # stopped before any output: as if never asked
 
 
+def add_train_eagle_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--corpus", required=True,
+                   help="text file: one document or prompt a line, or JSON lines with a \"text\" field")
+    p.add_argument("--output", required=True,
+                   help="folder for the head (published EAGLE-3 format), checkpoint/, data/ and train_report.json; "
+                        "rerun with the same arguments to resume")
+    p.add_argument("--data", default="self", choices=["self", "corpus"],
+                   help="self: train on the target's own greedy continuations of each line (self-distillation); "
+                        "corpus: on the text itself")
+    p.add_argument("--max-minutes", type=float, default=30.0,
+                   help="time budget over all runs into --output, generation included")
+    p.add_argument("--epochs", type=int, default=1000, help="passes over the data at most (the budget decides first)")
+    p.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training (training-time test)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="tokens the head can draft: the data's most frequent (default: min(vocab, 32000))")
+    p.add_argument("--seq-len", type=int, default=256,
+                   help="tokens per training sequence (self: the prompt text is cut to seq-len - gen-tokens)")
+    p.add_argument("--gen-tokens", type=int, default=128, help="self: tokens generated per line")
+    p.add_argument("--holdout", type=float, default=0.05, help="share of the lines held out for the acceptance report")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
+    p.add_argument("--eval-k", type=int, default=5, help="draft tokens per chain in the acceptance report")
+    add_engine_args(p, decoding=False)
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    """Train an EAGLE-3 head (spec_decode/eagle3_train.py) and print its held-out acceptance."""
+    _check_model(args.model)
+    from pagoda.spec_decode.eagle3_train import TrainOptions, summary, train
+
+    opts = TrainOptions(corpus=args.corpus, output=args.output, model=args.model, data=args.data,
+                        max_minutes=args.max_minutes, epochs=args.epochs, ttt_steps=args.ttt_steps,
+                        draft_vocab_size=args.draft_vocab_size, seq_len=args.seq_len, gen_tokens=args.gen_tokens,
+                        holdout=args.holdout, batch_size=args.batch_size, lr=args.lr,
+                        checkpoint_every=args.checkpoint_every, eval_k=args.eval_k, seed=args.seed or 0,
+                        engine=engine_kwargs(args))
+    report = train(opts)
+    print(summary(report))
+    print(f"wrote {args.output} (train_report.json beside the head)")
+    return 0
+
+
 # Subcommands living in their own modules: name -> (module, help). Each module has add_arguments(p), main(args).
 _PLUGINS = {
     "serve": ("pagoda.entrypoints.server.cli", "start the OpenAI-compatible HTTP server"),
@@ -330,6 +374,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_sampling_args(c, chat=True)
     c.set_defaults(func=cmd_chat)
 
+    t = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head for a model on this CPU",
+                       formatter_class=HelpFormatter)
+    add_train_eagle_args(t)
+    t.set_defaults(func=cmd_train_eagle)
+
     for name, (module, help_text) in _PLUGINS.items():
         _add_plugin(sub, name, module, help_text, chosen in (None, (name,)))
     for group, (group_help, commands) in _GROUPS.items():
@@ -337,7 +386,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             dest=group, required=True)
         for name, (module, help_text) in commands.items():
             _add_plugin(gsub, name, module, help_text, chosen in (None, (group, name)))
-    for p in (g, c):
+    for p in (g, c, t):
         _show_defaults(p)
     return parser
 

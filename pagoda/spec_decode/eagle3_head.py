@@ -189,12 +189,12 @@ def load_head(path: str | Path, target: ModelArgs, embed: Callable[[torch.Tensor
     with torch.device("meta"):
         head = Eagle3Head(c, embed)
     head = head.to_empty(device="cpu")
-    head.self_attn.rope.materialize(torch.device("cpu"))
     try:
         _load_tensors(head, tensors)
     except ValueError as e:
         raise ValueError(f"{weights_path}: {e}") from None
     head = head.to(dtype)
+    head.self_attn.rope.materialize(torch.device("cpu"))  # fp32 tables, after the cast (the kernels read fp32)
     head.d2t = head.d2t.long()
     head.prepare(policy)
     return head.eval()
@@ -252,9 +252,9 @@ def _load_tensors(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> None:
 
 def save_head(folder: str | Path, c: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:
     """Write `tensors` (file names as in the module docstring) and the config in the published format."""
-    from safetensors.torch import save_file
+    from pagoda.quantization.checkpoint import save_tensors
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
+    save_tensors({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
     (out / "config.json").write_text(json.dumps(c.to_hf(), indent=2) + "\n")

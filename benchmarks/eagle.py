@@ -1,0 +1,145 @@
+"""EAGLE-3 against no speculation on open chat: `python -m benchmarks.eagle corpus FILE` writes the training
+prompts, `python -m benchmarks.eagle run --head DIR` measures.
+
+Prompts are open questions (templates x topics, with the chat template); the training prompts and the
+measured ones share no topic. `run` answers the held-out prompts greedily (up to --output-len tokens, stopping
+at end of turn as a chat would) with the same engine settings with and without the head:
+  batch 1     one request at a time (--prompts of them), alternated --rounds times: output tok/s of each;
+  concurrent  --concurrency requests at a time (max_num_seqs), twice as many prompts, alternated too;
+and checks that every answer is the same tokens either way. Prints the ratios, the mean acceptance length and
+the acceptance per draft position (the share of verifications that accepted the proposal at position j).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import statistics
+import sys
+import time
+
+TEMPLATES = [
+    "Explain {t} to a beginner.",
+    "What are the main advantages and disadvantages of {t}?",
+    "Write a short story that involves {t}.",
+    "Give me three practical tips about {t}.",
+    "How would you describe {t} to a ten-year-old?",
+    "What is the history of {t}, in a few sentences?",
+    "Write a short poem about {t}.",
+    "What are common misconceptions about {t}?",
+    "Compare {t} with something similar and explain the difference.",
+    "Why do people care about {t}?",
+    "Write a friendly email to a colleague about {t}.",
+    "What questions should I ask before learning about {t}?",
+]
+
+TOPICS = [
+    "photosynthesis", "the water cycle", "black holes", "volcanoes", "the immune system", "climate change",
+    "electric cars", "solar panels", "wind energy", "recycling", "honey bees", "coral reefs", "the moon landing",
+    "the printing press", "the Roman Empire", "ancient Egypt", "the Renaissance", "democracy", "inflation",
+    "compound interest", "budgeting", "saving for retirement", "credit cards", "learning a new language",
+    "playing the guitar", "jazz music", "classical music", "painting with watercolors", "photography",
+    "baking bread", "making pasta", "coffee", "green tea", "vegetarian cooking", "running a marathon", "yoga",
+    "sleep", "meditation", "friendship", "remote work", "job interviews", "public speaking", "time management",
+    "writing a resume", "starting a small business", "social media", "online privacy", "passwords",
+    "computer viruses", "the internet", "smartphones", "artificial intelligence", "robots", "video games",
+    "chess", "soccer", "basketball", "the Olympic Games", "mountain climbing", "camping", "gardening",
+    "houseplants", "composting", "dogs", "cats", "birds", "whales", "dinosaurs", "evolution", "DNA",
+    "vaccines", "antibiotics", "the human brain", "memory", "dreams", "the solar system", "Mars", "telescopes",
+    "the speed of light", "gravity", "magnets", "electricity", "batteries", "airplanes", "trains", "bicycles",
+    "city planning", "public libraries", "museums", "theater", "poetry", "novels", "fairy tales", "mythology",
+    "volunteering", "recycling plastic", "clean water", "deserts", "rainforests", "the ocean", "earthquakes",
+    "hurricanes", "snow", "the seasons", "maps", "the compass", "clocks", "calendars", "bridges",
+    "skyscrapers", "castles", "pyramids", "lighthouses", "farming", "rice", "chocolate", "cheese", "spices",
+    "tea ceremonies", "origami", "knitting",
+]
+HELD_OUT = 24  # the last topics: measured, never trained on
+
+
+def prompts(split: str, seed: int = 0) -> list[str]:
+    topics = TOPICS[-HELD_OUT:] if split == "heldout" else TOPICS[:-HELD_OUT]
+    out = [t.format(t=topic) for topic, t in itertools.product(topics, TEMPLATES)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def _messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _timed(llm, convs, params) -> tuple[float, list[list[int]]]:  # noqa: ANN001
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return sum(map(len, tokens)) / dt, tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagoda import LLM, SamplingParams
+
+    spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
+    held = prompts("heldout")
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    common = dict(dtype=args.dtype, kv_cache_memory="2GiB")
+    rows = []
+    for conc in [1, *args.concurrency]:
+        n = args.prompts if conc == 1 else 2 * conc
+        convs = [_messages(t) for t in held[:n]]
+        plain = LLM(args.model, max_num_seqs=conc, **common)
+        eagle = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
+        rates: dict[str, list[float]] = {"plain": [], "eagle": []}
+        answers: dict[str, list[list[int]]] = {}
+        for _ in range(args.rounds):
+            for name, llm in (("plain", plain), ("eagle", eagle)):
+                if conc == 1:  # one request at a time
+                    t0, toks = time.perf_counter(), []
+                    for c in convs:
+                        toks += _timed(llm, [c], params)[1]
+                    rate = sum(map(len, toks)) / (time.perf_counter() - t0)
+                else:
+                    rate, toks = _timed(llm, convs, params)
+                rates[name].append(rate)
+                answers[name] = toks
+        same = answers["plain"] == answers["eagle"]
+        st = eagle.engine.speculator.stats
+        per_pos = [a / st.num_drafts for a in st.accepted_per_pos] if st.num_drafts else []
+        p, e = statistics.median(rates["plain"]), statistics.median(rates["eagle"])
+        rows.append((conc, e, p, e / p, st.mean_acceptance_length, per_pos, same))
+        print(f"concurrency {conc}: eagle3 {e:.1f} tok/s vs plain {p:.1f} ({e / p:.2f}x), acceptance length "
+              f"{st.mean_acceptance_length:.2f}, per position {' '.join(f'{x:.2f}' for x in per_pos)}, "
+              f"identical tokens: {same}", flush=True)
+        del plain, eagle
+    print("\n| concurrency | EAGLE-3 (out tok/s) | no speculation | ratio | mean acceptance length | "
+          "accepted at position 1..k | tokens identical |")
+    print("|---|---|---|---|---|---|---|")
+    for conc, e, p, r, al, per_pos, same in rows:
+        print(f"| {conc} | {e:.1f} | {p:.1f} | **{r:.2f}x** | {al:.2f} | {' / '.join(f'{x:.2f}' for x in per_pos)} "
+              f"| {'yes' if same else 'NO'} |")
+    return 0 if all(r[-1] for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("corpus", help="write the training prompts, one per line")
+    c.add_argument("file")
+    r = sub.add_parser("run", help="measure a head against no speculation")
+    r.add_argument("--head", required=True, help="the EAGLE-3 head folder (pagoda train-eagle --output)")
+    r.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    r.add_argument("--prompts", type=int, default=12, help="held-out prompts at batch 1")
+    r.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
+    r.add_argument("--output-len", type=int, default=128)
+    r.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.cmd == "corpus":
+        with open(args.file, "w") as f:
+            f.write("\n".join(prompts("train")) + "\n")
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
