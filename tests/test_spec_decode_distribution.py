@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_eagle3_head, build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.spec_decode import rejection
@@ -115,6 +115,17 @@ def test_draft_model_sampling_matches_the_target_distribution(tiny_v16, default_
     draft = build_tiny_model(tmp_path / "draft", "llama", vocab_size=16, initializer_range=0.5, num_hidden_layers=1,
                              hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
     cfg = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft), "adaptive": False}
+    spec_samples, llm = sample(tiny_v16, default_gguf, cfg)
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert worst_position(plain_samples, spec_samples) < 1.0
+
+
+def test_eagle3_sampling_matches_the_target_distribution(tiny_v16, default_gguf, plain_samples, tmp_path):
+    # A draft vocabulary of every other token: q is the head's distribution placed at the target ids d2t maps
+    # to, zero elsewhere; placed at the draft ids instead, the acceptance rule would be fed the wrong q.
+    head = build_tiny_eagle3_head(tmp_path / "head", tiny_v16, draft_vocab_size=8)
+    cfg = {"method": "eagle3", "num_speculative_tokens": 2, "model": str(head), "adaptive": False}
     spec_samples, llm = sample(tiny_v16, default_gguf, cfg)
     stats = llm.engine.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
