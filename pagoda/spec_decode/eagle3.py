@@ -26,8 +26,8 @@ from pagoda.spec_decode.eagle3_head import Eagle3Head
 class _SeqState:
     base: int                           # the position of the draft pool's first slot for this sequence
     computed: int                       # positions base..computed-1 hold KV from the target's own states
-    state: torch.Tensor | None = None   # the head's output at computed - 1 (when computed = num_tokens - 1)
-    logits: torch.Tensor | None = None  # its draft-vocabulary logits: the next step's first draft
+    state: torch.Tensor | None = None   # the head's output at computed - 1 (when computed = num_tokens - 1):
+                                        # its logits are the next step's first draft
 
 
 class Eagle3Proposer:
@@ -81,7 +81,7 @@ class Eagle3Proposer:
             batch.add(seq.token_ids[start + 1:new + 1], start - st.base, self.draft_kv.block_tables[seq.seq_id])
             positions.extend(range(start, new))
             picks.extend(range(off, off + new - start))
-            st.computed, st.state, st.logits = new, None, None
+            st.computed, st.state = new, None
             if new == seq.num_tokens - 1:
                 ends.append((st, len(positions) - 1))
         if not positions:
@@ -89,12 +89,8 @@ class Eagle3Proposer:
         head = self.head
         out = head(torch.tensor(batch.input_ids), aux[torch.tensor(picks)], torch.tensor(positions),
                    batch.metadata(torch.device("cpu")), from_target=True)
-        if ends:
-            rows = torch.tensor([r for _, r in ends])
-            last = out[rows]
-            logits = head.logits(last)
-            for i, (st, _) in enumerate(ends):
-                st.state, st.logits = last[i], logits[i]
+        for st, row in ends:  # logits only once a proposal is wanted (propose())
+            st.state = out[row].clone()
 
     # ---- drafting --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -105,7 +101,7 @@ class Eagle3Proposer:
         live: list[int] = []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             st = self.seqs.get(seq.seq_id)
-            if k <= 0 or st is None or st.logits is None or st.computed != seq.num_tokens - 1:
+            if k <= 0 or st is None or st.state is None or st.computed != seq.num_tokens - 1:
                 continue
             if k > 1 and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, k - 1):
                 self._drop(seq.seq_id)
@@ -114,8 +110,8 @@ class Eagle3Proposer:
         if not live:
             return drafts, [None] * len(seqs)
         head = self.head
-        logits = torch.stack([self.seqs[seqs[i].seq_id].logits for i in live])  # type: ignore[misc]
         state = torch.stack([self.seqs[seqs[i].seq_id].state for i in live])  # type: ignore[misc]
+        logits = head.logits(state)
         depth = 0
         while True:
             for j, i in enumerate(live):
