@@ -66,12 +66,12 @@ class FlatBatch:
 
     def metadata(self, device: torch.device) -> AttentionMetadata:
         """The flat tensors every layer's attention reads; block tables padded to the widest row."""
-        table_tensor = torch.zeros(len(self.tables), max(len(t) for t in self.tables), dtype=torch.int32)
-        for i, t in enumerate(self.tables):
-            table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        width = max(len(t) for t in self.tables)
+        # One tensor from padded lists: a tensor per row costs more than the rows' copying.
+        padded = [t if len(t) == width else t + [0] * (width - len(t)) for t in self.tables]
         return AttentionMetadata(
             slot_mapping=torch.tensor(self.slots, dtype=torch.int64, device=device),
-            block_tables=table_tensor.to(device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(self.query_start, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
         )

@@ -1,17 +1,18 @@
 """EAGLE-3 drafting: a one-layer head over the target's own hidden states (eagle3_head.py), chain drafts.
 
 The target's forward keeps the residual stream entering three of its layers (LlamaForCausalLM.aux_layers) at
-every token, in the same pass. After each step, once the scheduler has rolled rejected tokens back, the head
-catches up over the positions that became valid: at position p it reads the target's states at p and the
-token at p + 1, writing its one layer's KV into a small pool beside the target's. The last of these rows
-predicts the first draft of the next step; each further draft is one pass over the head's own previous
-state and draft token. A chain's KV (positions past the target's) is speculative, and the next catch-up
-writes over it with what the target verified.
+every token, in the same pass. After each step, once the scheduler has rolled rejected tokens back, each
+sequence keeps the states of the positions that became valid. When it next drafts, the head first catches up
+over them: at position p it reads the target's states at p and the token at p + 1, writing its one layer's KV
+into a small pool beside the target's. The last of these rows predicts the first draft; each further draft is
+one pass over the head's own previous state and draft token. A chain's KV (positions past the target's) is
+speculative, and the next catch-up writes over it with what the target verified. A sequence that does not
+draft (the adaptive controller finds it does not pay, as in large batches) costs the head nothing.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,13 +22,25 @@ from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.model_runner import FlatBatch
 from pagoda.spec_decode.eagle3_head import Eagle3Head
 
+# Target states a sequence keeps for its next catch-up. Past this the oldest are dropped, and the head starts
+# over after them with less context (its drafts stay exact: only their acceptance can suffer).
+MAX_PENDING = 1024
+
 
 @dataclass
 class _SeqState:
     base: int                           # the position of the draft pool's first slot for this sequence
     computed: int                       # positions base..computed-1 hold KV from the target's own states
-    state: torch.Tensor | None = None   # the head's output at computed - 1 (when computed = num_tokens - 1):
-                                        # its logits are the next step's first draft
+    # The target's states for positions computed.. not yet caught up: (a step's aux tensor, first row, rows).
+    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    num_pending: int = 0
+    state: torch.Tensor | None = None   # the head's output at computed - 1 once caught up to num_tokens - 1:
+                                        # its logits are the first draft
+
+    @property
+    def end(self) -> int:
+        """The first position whose target states this sequence does not have yet."""
+        return self.computed + self.num_pending
 
 
 class Eagle3Proposer:
@@ -43,28 +56,26 @@ class Eagle3Proposer:
     # ---- bookkeeping -----------------------------------------------------------------------------
     def release_except(self, live: set[int]) -> None:
         for seq_id in [s for s in self.seqs if s not in live]:
-            del self.seqs[seq_id]
-            self.draft_kv.free(seq_id)
+            self._drop(seq_id)
 
     def _drop(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.draft_kv.free(seq_id)
+
+    def _restart(self, seq_id: int, position: int) -> _SeqState:
+        self._drop(seq_id)
+        st = self.seqs[seq_id] = _SeqState(base=position, computed=position)
+        return st
 
     def note_starts(self, sched: SchedulerOutput) -> None:
         """Before the forward: where each scheduled row starts (its tokens' states come back after it)."""
         self._starts = [s.num_computed_tokens for s in sched.seqs]
 
     # ---- after the step --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def catch_up(self, sched: SchedulerOutput, aux: torch.Tensor | None) -> None:
-        """After Scheduler.update: run the head over each row's newly valid positions (the target's states
-        there and the token after each), and keep the last row's output where the sequence decodes next."""
+    def record(self, sched: SchedulerOutput, aux: torch.Tensor | None) -> None:
+        """After Scheduler.update: keep each row's target states at the positions the step made valid."""
         if aux is None or len(self._starts) != len(sched.seqs):
             return
-        batch = FlatBatch(self.block_size)
-        positions: list[int] = []
-        picks: list[int] = []
-        ends: list[tuple[_SeqState, int]] = []  # (sequence state, flat row of its last position)
         offset = 0
         for seq, n_sched, start in zip(sched.seqs, sched.num_scheduled, self._starts):
             off, offset = offset, offset + n_sched
@@ -72,25 +83,57 @@ class Eagle3Proposer:
             if seq.finished or new <= start:
                 continue
             st = self.seqs.get(seq.seq_id)
-            if st is None or st.computed != start:  # new, preempted, or a prefix hit skipped positions
-                self._drop(seq.seq_id)
-                st = self.seqs[seq.seq_id] = _SeqState(base=start, computed=start)
-            if not self.draft_kv.allocate_slots(seq.seq_id, start - st.base, new - start):
+            if st is None or st.end != start:  # new, preempted, or a prefix hit skipped positions
+                st = self._restart(seq.seq_id, start)
+            st.pending.append((aux, off, new - start))
+            st.num_pending += new - start
+            st.state = None
+            if st.num_pending > MAX_PENDING:
+                self._keep_last(seq.seq_id, st)
+
+    def _keep_last(self, seq_id: int, st: _SeqState) -> None:
+        """Drop the oldest pending states beyond MAX_PENDING: the head starts over after them."""
+        pending, end = st.pending, st.end
+        st = self._restart(seq_id, end - MAX_PENDING)
+        keep = MAX_PENDING
+        for aux, off, n in reversed(pending):
+            take = min(n, keep)
+            st.pending.insert(0, (aux, off + n - take, take))
+            keep -= take
+            if not keep:
+                break
+        st.num_pending = MAX_PENDING
+
+    @torch.inference_mode()
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Run the head over each sequence's pending positions, in one batch, keeping the last row's output
+        where the sequence has caught up to its last token."""
+        batch = FlatBatch(self.block_size)
+        positions: list[int] = []
+        chunks: list[torch.Tensor] = []
+        ends: list[tuple[_SeqState, int]] = []
+        for seq in seqs:
+            st = self.seqs.get(seq.seq_id)
+            if st is None or not st.num_pending:
+                continue
+            start, end = st.computed, st.end
+            if not self.draft_kv.allocate_slots(seq.seq_id, start - st.base, end - start):
                 self._drop(seq.seq_id)
                 continue
-            batch.add(seq.token_ids[start + 1:new + 1], start - st.base, self.draft_kv.block_tables[seq.seq_id])
-            positions.extend(range(start, new))
-            picks.extend(range(off, off + new - start))
-            st.computed, st.state = new, None
-            if new == seq.num_tokens - 1:
+            batch.add(seq.token_ids[start + 1:end + 1], start - st.base, self.draft_kv.block_tables[seq.seq_id])
+            positions.extend(range(start, end))
+            chunks += [aux[off:off + n] for aux, off, n in st.pending]
+            st.computed, st.pending, st.num_pending = end, [], 0
+            if end == seq.num_tokens - 1:
                 ends.append((st, len(positions) - 1))
         if not positions:
             return
-        head = self.head
-        out = head(torch.tensor(batch.input_ids), aux[torch.tensor(picks)], torch.tensor(positions),
-                   batch.metadata(torch.device("cpu")), from_target=True)
-        for st, row in ends:  # logits only once a proposal is wanted (propose())
-            st.state = out[row].clone()
+        out = self.head(torch.tensor(batch.input_ids), torch.cat(chunks), torch.tensor(positions),
+                        batch.metadata(torch.device("cpu")), from_target=True)
+        if ends:
+            last = out[torch.tensor([row for _, row in ends])]
+            for i, (st, _) in enumerate(ends):
+                st.state = last[i]
 
     # ---- drafting --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -99,6 +142,7 @@ class Eagle3Proposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live: list[int] = []
+        self._catch_up([seq for seq, k in zip(seqs, ks) if k > 0])
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             st = self.seqs.get(seq.seq_id)
             if k <= 0 or st is None or st.state is None or st.computed != seq.num_tokens - 1:

@@ -10,7 +10,7 @@ draft()    after scheduling: a model drafter writes its proposals over the place
 verify()   after the forward: rejection-sample each sequence's positions into the tokens it emits (a ragged
            Emitted: the accepted proposals and the target's own). The engine appends them through the stop
            rules and Scheduler.update rolls back what was rejected; then settle() records the acceptance,
-           rolls a draft model back, and lets an EAGLE head catch up (eagle3.py).
+           rolls a draft model back, and hands an EAGLE head the step's target states (eagle3.py).
 """
 from __future__ import annotations
 
@@ -242,9 +242,9 @@ class Speculator:
                aux_hidden: torch.Tensor | None) -> None:
         """After the emitted tokens are appended (`appended`: how many per sequence, after stops) and
         Scheduler.update rolled KV back: count the acceptance, let the adaptive policy learn from it, roll a
-        draft model back, and let an EAGLE head catch up over the positions the step made valid."""
+        draft model back, and let an EAGLE head keep the states of the positions the step made valid."""
         if isinstance(self.drafter, Eagle3Proposer):
-            self.drafter.catch_up(sched, aux_hidden)
+            self.drafter.record(sched, aux_hidden)
         if verified is None:
             return
         st = self.stats
