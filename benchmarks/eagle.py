@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--prompts", type=int, default=12, help="held-out prompts at batch 1")
     r.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
     r.add_argument("--output-len", type=int, default=128)
-    r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--rounds", type=int, default=4)
     args = p.parse_args(argv)
     if args.cmd == "corpus":
         with open(args.file, "w") as f:
