@@ -71,13 +71,7 @@ class DecoderStack:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's output, running residual): the model applies its final norm to them."""
-        a0, rope = self.attention[0], self.rope
-        k, v, ks, vs = self._caches
-        return torch.ops.pagoda.decoder_stack(
-            x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, k, v, ks, vs, self.norms, self.qk_norms, self.linears, self.formats, self.group_sizes,
-            self.windows, self.eps,
-            a0.scale, a0.num_heads, a0.num_kv_heads, num_layers)
+        return self.run_layers(x, positions, meta, 0, num_layers)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, start: int,
                    end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,6 +99,10 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     # A part of an HF weight name -> the module it names here, where the names differ (Mixtral's experts).
     hf_renames: dict[str, str] = {}
+    # EAGLE-3 drafting: the residual stream entering each of these layers is kept, side by side, in
+    # `aux_hidden` [T, len * hidden] after every forward (spec_decode/eagle3.py sets and reads them).
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
     def __init__(self, a: ModelArgs, max_model_len: int | None = None) -> None:
         """`max_model_len`: the longest context served (None: max_position_embeddings); LongRoPE's factor
@@ -116,10 +120,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.stack: DecoderStack | None = None  # the layers as one C++ op for few-row steps (prepare())
         self.lora: LoRAMapping | None = None  # the step's adapter rows, where LoRA is on (lora/manager.py)
-        # EAGLE-3 drafting: the residual stream entering each of these layers is kept, side by side, in
-        # `aux_hidden` [T, len * hidden] after every forward (spec_decode/eagle3.py reads it).
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden: torch.Tensor | None = None
 
     def _mlp(self, a: ModelArgs, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP where it is not LlamaMLP (None): a MoE model's sparse blocks (model/moe.py)."""
