@@ -97,9 +97,8 @@ def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, de
         seq = SimpleNamespace(seq_id=1000 + i, token_ids=tokens, num_tokens=n, num_computed_tokens=0,
                               finished=False, request=SimpleNamespace(params=SimpleNamespace(greedy=True)))
         sched = SimpleNamespace(seqs=[seq], num_scheduled=[n - 1])
-        fresh.note_starts(sched)
         seq.num_computed_tokens = n - 1
-        fresh.record(sched, aux)
+        fresh.record(sched, {}, aux)
         want, _ = fresh.propose([seq], [k])
         assert drafts == want[0], f"proposal {i} at length {n}"
         fresh.release_except(set())
@@ -145,16 +144,16 @@ def test_pending_states_past_the_cap_keep_the_newest(monkeypatch):
     import pagoda.spec_decode.eagle3 as e3
 
     monkeypatch.setattr(e3, "MAX_PENDING", 8)
-    head = SimpleNamespace(allocate_kv=lambda *a: None)
+    head = SimpleNamespace(allocate_kv=lambda *a: None, to_target=lambda ids: ids,
+                           config=SimpleNamespace(draft_vocab_size=4))
     proposer = Eagle3Proposer(head, 4, BLOCK, 64)  # type: ignore[arg-type]
     seq = SimpleNamespace(seq_id=7, num_computed_tokens=0, finished=False)
     computed = 0
     for n in (5, 3, 1, 4):  # steps of 5, 3, 1 and 4 positions; rows hold their position
         aux = torch.arange(computed, computed + n, dtype=torch.float32)[:, None]
         sched = SimpleNamespace(seqs=[seq], num_scheduled=[n])
-        proposer.note_starts(sched)
         seq.num_computed_tokens = computed = computed + n
-        proposer.record(sched, aux)
+        proposer.record(sched, {}, aux)
     st = proposer.seqs[7]
     assert (st.base, st.computed, st.num_pending, st.end) == (5, 5, 8, 13)
     rows = torch.cat([aux[off:off + n] for aux, off, n in st.pending])

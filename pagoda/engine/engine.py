@@ -404,7 +404,7 @@ class LLMEngine:
         rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in spec_rows}
         self.scheduler.update(sched, rejected)
         if self.speculator is not None:
-            self.speculator.settle(sched, verified, appended, out.aux_hidden)
+            self.speculator.settle(sched, rejected, verified, appended, out.aux_hidden)
         self.stats.num_scheduled_tokens += sched.total_tokens
         self.stats.num_generated_tokens += num_generated
         if self.speculator is not None:

@@ -195,11 +195,7 @@ class LlamaForCausalLM(nn.Module):
         # A GGUF table shared by the embedding and the tied lm_head stays one table in the head's kernel
         # layout (PackedWeight.rows gathers the embedding's rows from it).
         shared = isinstance(self.embed_tokens, QuantEmbedding) and self.lm_head.qweight is self.embed_tokens.pw
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.prepare(act_dtype, policy)
-            elif hasattr(m, "kernel"):  # norms, rope, attention, MLP: fused C++ ops or torch
-                m.kernel = use_kernels
+        prepare_kernels(self, act_dtype, policy)
         if shared:
             self.embed_tokens.pw = self.lm_head.qweight
         self.stack = self._decoder_stack() if use_kernels else None
@@ -257,6 +253,16 @@ class LlamaForCausalLM(nn.Module):
         missing = self.weight_shapes(self.args).keys() - {n.removeprefix("model.") for n in loaded}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
+
+
+def prepare_kernels(module: nn.Module, act_dtype: torch.dtype, policy: KernelPolicy) -> None:
+    """Each Linear in `module` picks its kernel under `policy`; norms, rope, attention and MLPs run the fused C++
+    ops or torch, as the policy says."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.prepare(act_dtype, policy)
+        elif hasattr(m, "kernel"):
+            m.kernel = policy.cpp
 
 
 def weight_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:

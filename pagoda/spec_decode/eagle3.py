@@ -12,6 +12,7 @@ draft (the adaptive controller finds it does not pay, as in large batches) costs
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.model_runner import FlatBatch
 from pagoda.spec_decode.eagle3_head import Eagle3Head
 
+_CPU = torch.device("cpu")
 # Target states a sequence keeps for its next catch-up. Past this the oldest are dropped, and the head starts
 # over after them with less context (its drafts stay exact: only their acceptance can suffer).
 MAX_PENDING = 1024
@@ -51,7 +53,7 @@ class Eagle3Proposer:
         head.allocate_kv(num_blocks, block_size)
         self.draft_kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, _SeqState] = {}
-        self._starts: list[int] = []
+        self.target_ids = head.to_target(torch.arange(head.config.draft_vocab_size))  # draft id -> target id
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def release_except(self, live: set[int]) -> None:
@@ -67,26 +69,24 @@ class Eagle3Proposer:
         st = self.seqs[seq_id] = _SeqState(base=position, computed=position)
         return st
 
-    def note_starts(self, sched: SchedulerOutput) -> None:
-        """Before the forward: where each scheduled row starts (its tokens' states come back after it)."""
-        self._starts = [s.num_computed_tokens for s in sched.seqs]
-
     # ---- after the step --------------------------------------------------------------------------
-    def record(self, sched: SchedulerOutput, aux: torch.Tensor | None) -> None:
-        """After Scheduler.update: keep each row's target states at the positions the step made valid."""
-        if aux is None or len(self._starts) != len(sched.seqs):
+    def record(self, sched: SchedulerOutput, rejected: Mapping[int, int], aux: torch.Tensor | None) -> None:
+        """After Scheduler.update: keep each row's target states at the positions the step made valid (the
+        row's scheduled tokens less `rejected[row]`, as the scheduler counted them)."""
+        if aux is None:
             return
         offset = 0
-        for seq, n_sched, start in zip(sched.seqs, sched.num_scheduled, self._starts):
-            off, offset = offset, offset + n_sched
-            new = seq.num_computed_tokens
-            if seq.finished or new <= start:
+        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
+            off, offset = offset, offset + n
+            valid = n - rejected.get(row, 0)
+            if seq.finished or valid <= 0:
                 continue
+            start = seq.num_computed_tokens - valid
             st = self.seqs.get(seq.seq_id)
             if st is None or st.end != start:  # new, preempted, or a prefix hit skipped positions
                 st = self._restart(seq.seq_id, start)
-            st.pending.append((aux, off, new - start))
-            st.num_pending += new - start
+            st.pending.append((aux, off, valid))
+            st.num_pending += valid
             st.state = None
             if st.num_pending > MAX_PENDING:
                 self._keep_last(seq.seq_id, st)
@@ -128,8 +128,7 @@ class Eagle3Proposer:
                 ends.append((st, len(positions) - 1))
         if not positions:
             return
-        out = self.head(torch.tensor(batch.input_ids), torch.cat(chunks), torch.tensor(positions),
-                        batch.metadata(torch.device("cpu")), from_target=True)
+        out = self._run(batch, positions, torch.cat(chunks), from_target=True)
         if ends:
             last = out[torch.tensor([row for _, row in ends])]
             for i, (st, _) in enumerate(ends):
@@ -176,21 +175,25 @@ class Eagle3Proposer:
                 pos = st.computed - 1 + depth  # the chain's depth-th row: the token drafted last, one past
                 batch.add([drafts[i][-1]], pos - st.base, self.draft_kv.block_tables[seqs[i].seq_id])
                 positions.append(pos)
-            state = head(torch.tensor(batch.input_ids), state, torch.tensor(positions),
-                         batch.metadata(torch.device("cpu")), from_target=False)
+            state = self._run(batch, positions, state, from_target=False)
             logits = head.logits(state)
         return drafts, [torch.stack(q) if q else None for q in qs]
+
+    def _run(self, batch: FlatBatch, positions: list[int], state: torch.Tensor, from_target: bool) -> torch.Tensor:
+        """One head pass over `batch` (laid out in the draft pool) at RoPE `positions`."""
+        return self.head(torch.tensor(batch.input_ids), state, torch.tensor(positions), batch.metadata(_CPU),
+                         from_target)
 
     def _sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
         """A draft-vocabulary row -> (target token, q over the target vocabulary, None for greedy rows)."""
         p = seq.request.params
         if p.greedy:
-            return int(self.head.to_target(logits.argmax())), None
+            return int(self.target_ids[logits.argmax()]), None
         q_draft = (logits / p.temperature).softmax(dim=-1)
         d = torch.multinomial(q_draft, 1, generator=seq.generator)[0]
         q = torch.zeros(self.vocab_size)
-        q[self.head.to_target(torch.arange(q_draft.shape[0]))] = q_draft
-        return int(self.head.to_target(d)), q
+        q[self.target_ids] = q_draft
+        return int(self.target_ids[d]), q
 
     def calibrate(self, reps: int = 5) -> tuple[float, float]:
         """Seconds of one chain pass over 1 and over 8 rows (best of `reps`), in blocks all free at start-up."""
@@ -204,9 +207,7 @@ class Eagle3Proposer:
                     batch.add([0], 0, [r])
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    out = self.head(torch.tensor(batch.input_ids), torch.zeros(rows, h, dtype=dtype),
-                                    torch.zeros(rows, dtype=torch.long), batch.metadata(torch.device("cpu")), False)
-                    self.head.logits(out)
+                    self.head.logits(self._run(batch, [0] * rows, torch.zeros(rows, h, dtype=dtype), False))
                 if rep:
                     best[i] = min(best[i], time.perf_counter() - t0)
         return best[0], best[1]

@@ -38,7 +38,7 @@ from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.args import ModelArgs
-from pagoda.model.llama import LlamaAttention, LlamaMLP
+from pagoda.model.llama import LlamaAttention, LlamaMLP, prepare_kernels
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -157,15 +157,6 @@ class Eagle3Head(nn.Module):
         attn.k_cache = torch.empty(k_cache_shape(*shape, dtype, attn.kernel), dtype=dtype)
         attn.v_cache = torch.empty(shape, dtype=dtype)
 
-    def prepare(self, policy: KernelPolicy) -> None:
-        act_dtype = self.norm.weight.dtype
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.prepare(act_dtype, policy)
-            elif hasattr(m, "kernel"):
-                m.kernel = policy.cpp
-
-
 def load_head(path: str | Path, target: ModelArgs, embed: Callable[[torch.Tensor], torch.Tensor],
               dtype: torch.dtype, policy: KernelPolicy) -> Eagle3Head:
     """Read a head folder (safetensors only: weights are never unpickled); errors are one line naming the file."""
@@ -195,8 +186,7 @@ def load_head(path: str | Path, target: ModelArgs, embed: Callable[[torch.Tensor
         raise ValueError(f"{weights_path}: {e}") from None
     head = head.to(dtype)
     head.self_attn.rope.materialize(torch.device("cpu"))  # fp32 tables, after the cast (the kernels read fp32)
-    head.d2t = head.d2t.long()
-    head.prepare(policy)
+    prepare_kernels(head, dtype, policy)
     return head.eval()
 
 
@@ -239,8 +229,8 @@ def _load_tensors(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> None:
             raise ValueError("d2t is missing, and the draft vocabulary is smaller than the target's")
         else:
             head.d2t = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
-        if int((torch.arange(c.draft_vocab_size) + head.d2t).max()) >= c.args.vocab_size or \
-                int((torch.arange(c.draft_vocab_size) + head.d2t).min()) < 0:
+        target_ids = torch.arange(c.draft_vocab_size) + head.d2t
+        if int(target_ids.max()) >= c.args.vocab_size or int(target_ids.min()) < 0:
             raise ValueError("d2t maps a draft token outside the target's vocabulary")
         if "embed_tokens.weight" in names:
             emb = names["embed_tokens.weight"]

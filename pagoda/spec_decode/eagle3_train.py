@@ -237,19 +237,19 @@ def save_checkpoint(folder: Path, head: DenseEagle3, opt: torch.optim.AdamW, voc
                     state: dict[str, Any]) -> None:
     """head.safetensors, optimizer.safetensors (AdamW's moments per parameter) and state.json, swapped in whole:
     a run killed while writing leaves the previous checkpoint."""
-    from safetensors.torch import save_file
+    from pagoda.quantization.checkpoint import save_tensors
 
     new, old = folder.with_name(folder.name + ".new"), folder.with_name(folder.name + ".old")
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir(parents=True)
-    save_file(head.tensors(vocab_size), str(new / "head.safetensors"))
+    save_tensors(head.tensors(vocab_size), str(new / "head.safetensors"))
     moments, adam_step = {}, 0.0
     for name, p in head.named_parameters():
         st = opt.state.get(p)
         if st:
             moments[f"{name}.exp_avg"], moments[f"{name}.exp_avg_sq"] = st["exp_avg"], st["exp_avg_sq"]
             adam_step = float(st["step"])
-    save_file(moments, str(new / "optimizer.safetensors"))
+    save_tensors(moments, str(new / "optimizer.safetensors"))
     (new / "state.json").write_text(json.dumps({**state, "adam_step": adam_step}, indent=2) + "\n")
     if folder.exists():
         folder.rename(old)

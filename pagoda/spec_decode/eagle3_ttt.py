@@ -18,24 +18,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.rotary import rope_inv_freq
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.spec_decode.eagle3_head import Eagle3Config
 
 # SpecForge's weight of step j's loss: 0.8 ** j (later steps start from the head's own, noisier states).
 STEP_DECAY = 0.8
 
 
-class _Norm(nn.Module):
-    """RMSNorm as HF Llama computes it: fp32 math, cast back, times the weight."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+def _norm(dim: int, eps: float) -> RMSNorm:
+    """The engine's RMSNorm on its torch path (differentiable; the C++ op is not)."""
+    norm = RMSNorm(dim, eps)
+    norm.kernel = False
+    return norm
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -51,13 +46,12 @@ class _Attention(nn.Module):
         self.k_proj = _linear(2 * a.hidden_size, a.num_kv_heads * a.head_dim)
         self.v_proj = _linear(2 * a.hidden_size, a.num_kv_heads * a.head_dim)
         self.o_proj = _linear(a.num_heads * a.head_dim, a.hidden_size)
-        inv_freq, self.mscale = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # float64, as the inference tables are built
+        # The inference head's tables (its cos/sin by position), read here by index.
+        self.rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, heads, T, D] rotated (rotate-half layout) at `positions` [T]."""
-        freqs = torch.outer(positions.double(), self.inv_freq)
-        cos, sin = (freqs.cos() * self.mscale).float(), (freqs.sin() * self.mscale).float()
+        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -95,9 +89,9 @@ class _Midlayer(nn.Module):
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()
         h, eps = c.args.hidden_size, c.args.rms_norm_eps
-        self.input_layernorm, self.hidden_norm = _Norm(h, eps), _Norm(h, eps)
+        self.input_layernorm, self.hidden_norm = _norm(h, eps), _norm(h, eps)
         self.self_attn = _Attention(c)
-        self.post_attention_layernorm = _Norm(h, eps)
+        self.post_attention_layernorm = _norm(h, eps)
         self.mlp = _MLP(c)
 
     def forward(self, emb: torch.Tensor, state: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
@@ -116,7 +110,7 @@ class DenseEagle3(nn.Module):
         self.config = c
         self.fc = _linear(len(c.aux_layers) * c.target_hidden_size, a.hidden_size)
         self.midlayer = _Midlayer(c)
-        self.norm = _Norm(a.hidden_size, a.rms_norm_eps)
+        self.norm = _norm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = _linear(a.hidden_size, c.draft_vocab_size)
         # In a tuple: assigned bare, a target's embedding module would become this head's own (trained, saved).
         self._embed = (embed,)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -187,8 +188,6 @@ class Speculator:
         budget kept), cut to what each grammar allows; the n-gram proposer has nothing left to do."""
         if self.drafter is None:
             return
-        if isinstance(self.drafter, Eagle3Proposer):
-            self.drafter.note_starts(sched)
         rows = [s for s in sched.seqs if s.spec_token_ids]
         if not rows:
             return
@@ -238,13 +237,14 @@ class Speculator:
         return Verified(seqs, emitted, [r.params_batch_index for r in rows], [len(r.draft) for r in rows],
                         raw_logprobs, batch.max_logprobs, dead)
 
-    def settle(self, sched: SchedulerOutput, verified: Verified | None, appended: dict[Sequence, int],
-               aux_hidden: torch.Tensor | None) -> None:
+    def settle(self, sched: SchedulerOutput, rejected: Mapping[int, int], verified: Verified | None,
+               appended: dict[Sequence, int], aux_hidden: torch.Tensor | None) -> None:
         """After the emitted tokens are appended (`appended`: how many per sequence, after stops) and
-        Scheduler.update rolled KV back: count the acceptance, let the adaptive policy learn from it, roll a
-        draft model back, and let an EAGLE head keep the states of the positions the step made valid."""
+        Scheduler.update rolled back each row's `rejected` tokens: count the acceptance, let the adaptive policy
+        learn from it, roll a draft model back, and let an EAGLE head keep the states of the positions the step
+        made valid."""
         if isinstance(self.drafter, Eagle3Proposer):
-            self.drafter.record(sched, aux_hidden)
+            self.drafter.record(sched, rejected, aux_hidden)
         if verified is None:
             return
         st = self.stats
