@@ -36,6 +36,9 @@ class DecoderStack:
     attention: list                      # each layer's PagedAttention (caches are bound to it later)
     rope: torch.nn.Module                # RotaryEmbedding: its cos/sin tables
     windows: list[int]                   # each layer's sliding window (0: global), or none when no layer has one
+    # Each linear's LoRA slots as [A, B^T, widths] (None x 3 where it has none), in the linears' order; empty
+    # without LoRA (bind_lora).
+    lora: list[torch.Tensor | None] = field(default_factory=list)
     # The caches as lists, gathered on the first call after the runner binds them.
     _bound_cache: torch.Tensor | None = None
     _bound_dtype: torch.dtype | None = None
@@ -54,6 +57,11 @@ class DecoderStack:
                             [lin[2] for lin in linears], min(lin[3] for lin in linears), eps, attention, rope,
                             windows if any(windows) else [])
 
+    def bind_lora(self, per_linear: list[list[torch.Tensor] | None]) -> None:
+        """Each linear's LoRA tensors (LoRASlots.stack_args), in the order of `linears`; None for one without."""
+        self.lora = [t for args in per_linear for t in (args or (None,) * _LORA_ENTRIES)]
+        self._segments.clear()
+
     def takes(self, x: torch.Tensor) -> bool:
         if x.shape[0] > self.max_rows or x.dim() != 2 or x.device.type != "cpu":
             return False
@@ -68,14 +76,15 @@ class DecoderStack:
             self._segments.clear()
         return self._attention_ok
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_layers: int,
+                 lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's output, running residual): the model applies its final norm to them."""
-        return self.run_layers(x, positions, meta, 0, num_layers)
+        return self.run_layers(x, positions, meta, 0, num_layers, lora_slots)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, start: int,
-                   end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layers [start, end) with x as the residual stream entering `start` (the op's lists from that layer on)."""
+                   end: int, lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [start, end) with x as the residual stream entering `start` (the op's lists from that layer on).
+        `lora_slots`: each token's adapter slot (-1: none), where the step has adapter rows (bind_lora)."""
         seg = self._segments.get((start, end))
         if seg is None:
             k, v, ks, vs = self._caches
@@ -84,15 +93,16 @@ class DecoderStack:
                 k[start:end], v[start:end], ks[start:end], vs[start:end], self.norms[2 * start:2 * end],
                 self.qk_norms[2 * start:2 * end], self.linears[start * per * _ENTRIES:end * per * _ENTRIES],
                 self.formats[start * per:end * per], self.group_sizes[start * per:end * per],
-                self.windows[start:end])
-        k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows = seg
+                self.windows[start:end], self.lora[start * per * _LORA_ENTRIES:end * per * _LORA_ENTRIES])
+        k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows, lora = seg
         a0, rope = self.attention[0], self.rope
         return torch.ops.pagoda.decoder_stack(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows, self.eps,
-            a0.scale, a0.num_heads, a0.num_kv_heads, end - start)
+            a0.scale, a0.num_heads, a0.num_kv_heads, end - start, lora_slots if lora else None, lora)
 
 
 # The op's flat per-layer order (decoder_stack.cpp): qkv, o, gate_up, down, each [weight, scales, offsets, bias].
 _LINEARS_PER_LAYER = 4
 _ENTRIES = 4
+_LORA_ENTRIES = 3

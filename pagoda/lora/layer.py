@@ -4,8 +4,8 @@ each row's adapter slot.
 Every slot's A is one matrix [slots x width, in] and every slot's B one [slots x width, out], so a step's tokens,
 whatever their adapters, take two matmuls a layer: h = x @ A_all^T holds each token's projection onto every
 slot's rank columns, a mask keeps only its own slot's (none for a base-model token), and h @ B_all adds exactly its
-own adapter's update. The widths are small (parts x max rank), so computing the other slots' columns costs less
-than grouping tokens by slot (punica's SGMV on GPU), which takes a gather, two matmuls and a scatter per slot.
+own adapter's update. That is the torch path; with the C++ kernels, one op (kernels/cpu/lora.cpp) groups the
+step's tokens by slot and computes only each token's own adapter, the same op the C++ decoder stack calls.
 
 A Linear that fuses several HF projections (q|k|v, gate|up) keeps their updates in one slot as one pair:
 A stacks the parts' A along the rank, and B places each part's B in its rows and its rank columns, so
@@ -55,12 +55,18 @@ class LoRAMapping:
 class LoRASlots:
     """One Linear's adapters: A [slots, width, in] and B^T [slots, width, out], width = parts x max rank."""
 
-    def __init__(self, num_slots: int, width: int, in_features: int, out_features: int, dtype: torch.dtype,
-                 mapping: LoRAMapping) -> None:
-        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype)
-        self.bt = torch.zeros(num_slots, width, out_features, dtype=dtype)
-        self.width = [0] * num_slots  # rank columns each slot fills (the rest are zero)
+    def __init__(self, num_slots: int, width: int, in_features: int, out_features: int, mapping: LoRAMapping,
+                 kernel: bool) -> None:
+        # fp32 whatever the model's dtype: the update is small, and torch's small bf16 matmuls on CPU cost more.
+        self.a = torch.zeros(num_slots, width, in_features)
+        self.bt = torch.zeros(num_slots, width, out_features)
+        self.widths = torch.zeros(num_slots, dtype=torch.int32)  # rank columns each slot fills (the rest are zero)
         self.mapping = mapping
+        self.kernel = kernel  # the C++ op (KernelPolicy.cpp)
+
+    def stack_args(self) -> list[torch.Tensor]:
+        """This Linear's adapters as the C++ decoder stack takes them (kernels/decoder_stack.py)."""
+        return [self.a, self.bt, self.widths]
 
     def write(self, slot: int, parts: list[tuple[int, torch.Tensor, torch.Tensor, float]]) -> None:
         """Fill `slot` with (first output row, A [r, in], B [rows, r], scale) of each part it updates."""
@@ -72,21 +78,24 @@ class LoRASlots:
             self.a[slot, col:col + r] = a
             self.bt[slot, col:col + r, row:row + b.shape[0]] = (b * scale).T
             col += r
-        self.width[slot] = col
+        self.widths[slot] = col
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.bt[slot].zero_()
-        self.width[slot] = 0
+        self.widths[slot] = 0
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter update of x (in place; y is the base layer's fresh output)."""
         m = self.mapping
         if not m.active:
             return y
+        if self.kernel and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and y.is_contiguous():
+            torch.ops.pagoda.lora_add_(y, x.contiguous(), m.token_slots, self.a, self.bt, self.widths)
+            return y
         xs = x.to(self.a.dtype)
         if m.single is not None:  # one adapter for the whole step: its own columns only
-            w = self.width[m.single]
+            w = int(self.widths[m.single])
             if w:
                 y += ((xs @ self.a[m.single, :w].T) @ self.bt[m.single, :w]).to(y.dtype)
             return y

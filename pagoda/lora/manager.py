@@ -27,7 +27,8 @@ class _Resident:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig) -> None:
+    def __init__(self, model: nn.Module, config: LoRAConfig, kernel: bool) -> None:
+        """`kernel`: the C++ LoRA op may run (KernelPolicy.cpp)."""
         if not hasattr(model, "packed_modules"):
             raise ValueError(f"{type(model).__name__} does not take LoRA adapters")
         self.model = model
@@ -39,10 +40,9 @@ class LoRAManager:
             leaf = path.rpartition(".")[2]
             if isinstance(m, Linear) and leaf in TARGETS and re.fullmatch(r"layers\.\d+\.(self_attn|mlp)\.\w+", path):
                 parts = len(model.packed_modules.get(leaf, (leaf,)))
-                # fp32 whatever the model's dtype: torch's small bf16 matmuls on CPU cost several times fp32's.
                 m.lora = self.slots[path] = LoRASlots(self.num_slots, parts * self.max_rank, m.in_features,
-                                                      m.out_features, torch.float32, self.mapping)
-        model.lora = self.mapping  # a step with adapter rows runs layer by layer (the C++ stack has no LoRA)
+                                                      m.out_features, self.mapping, kernel)
+        model.bind_lora(self.mapping)
         self._resident: dict[int, tuple[int, _Resident]] = {}  # lora_int_id -> (slot, its state)
         self._lru: OrderedDict[int, int | None] = OrderedDict((s, None) for s in range(self.num_slots))
 

@@ -151,12 +151,12 @@ class LlamaForCausalLM(nn.Module):
         n = len(self.layers) if num_layers is None else num_layers
         capture = self.aux_layers if num_layers is None else ()
         stack = self.stack
-        # The C++ stack runs no LoRA: a step with adapter rows goes layer by layer.
-        if stack is not None and (self.lora is None or not self.lora.active) and stack.takes(x):
+        if stack is not None and stack.takes(x):
+            lora_slots = self.lora.token_slots if self.lora is not None else None
             if not capture:
-                x, residual = stack(x, positions, meta, n)
+                x, residual = stack(x, positions, meta, n, lora_slots)
                 return self.norm(x, residual)
-            return self.norm(*self._stack_capturing(stack, x, positions, meta, capture))
+            return self.norm(*self._stack_capturing(stack, x, positions, meta, capture, lora_slots))
         residual = None
         streams: dict[int, torch.Tensor] = {}
         # Not self.layers[:n]: slicing a ModuleList builds a new one every step.
@@ -169,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)
 
     def _stack_capturing(self, stack: DecoderStack, x: torch.Tensor, positions: torch.Tensor,
-                         meta: AttentionMetadata, capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                         meta: AttentionMetadata, capture: tuple[int, ...],
+                         lora_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The stack run in segments that end at each captured layer. A segment starts from the residual
         stream x + residual as a first layer does, which the fused norm computes identically (it normalizes
         the stored sum), so the output is the same bits as one call."""
@@ -180,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             if end > done:
                 if residual is not None:
                     x = x + residual
-                x, residual = stack.run_layers(x, positions, meta, done, end)
+                x, residual = stack.run_layers(x, positions, meta, done, end, lora_slots)
                 done = end
             if end < len(self.layers):
                 streams[end] = x if residual is None else x + residual
@@ -200,17 +201,29 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.pw = self.lm_head.qweight
         self.stack = self._decoder_stack() if use_kernels else None
 
+    def _stack_linears(self) -> list[Linear]:
+        """The decoder stack's linears in its order: qkv, o, gate_up, down of each layer."""
+        return [p for layer in self.layers for p in
+                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
     def _decoder_stack(self) -> DecoderStack | None:
-        norms, qk_norms, linears = [], [], []
+        norms, qk_norms = [], []
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if attn.q_norm is not None and attn.k_norm is not None:
                 qk_norms += [attn.q_norm.weight, attn.k_norm.weight]
-            linears += [p.stack_args() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [p.stack_args() for p in self._stack_linears()]
         first = self.layers[0]
         return DecoderStack.build(norms, linears, first.input_layernorm.eps,
                                   self.attention_layers(), first.self_attn.rope, qk_norms)
+
+    def bind_lora(self, mapping: LoRAMapping) -> None:
+        """LoRA is on (lora/manager.py): each step's adapter rows are in `mapping`, and the Linears hold their
+        slots; the C++ stack adds the same updates as the layers do."""
+        self.lora = mapping
+        if self.stack is not None:
+            self.stack.bind_lora([p.lora.stack_args() if p.lora is not None else None for p in self._stack_linears()])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -9,6 +9,9 @@
 // bias); formats[4l + i] is its LinearFormat (linear_formats.h), with group_sizes[4l + i] its group size.
 // qk_norms is empty, or holds each layer's q and k head norm weights (Qwen3: RMSNorm over each head of q
 // and k before RoPE), 2l and 2l + 1. windows is empty, or holds each layer's sliding window (0: global).
+// With lora_slots (each token's adapter slot, -1: none), lora holds three entries per linear in the same order
+// (A, B^T, widths: lora.cpp), or none where that linear has no adapters; each linear's output then gets its
+// tokens' adapter updates, as the layer-by-layer path adds them (lora/layer.py).
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -38,6 +41,16 @@ at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   return pagoda_cpu::format_linear(x, *w, scales, offsets, bias, fmt, group_size);
 }
 
+constexpr int64_t kLoRAEntries = 3;
+
+void add_lora(at::Tensor& y, const at::Tensor& x, const c10::optional<at::Tensor>& lora_slots,
+              const c10::List<c10::optional<at::Tensor>>& lora, int64_t index) {
+  if (!lora_slots.has_value()) return;
+  const int64_t base = index * kLoRAEntries;
+  const c10::optional<at::Tensor> a = lora.get(base), bt = lora.get(base + 1), widths = lora.get(base + 2);
+  if (a.has_value()) pagoda_cpu::lora_add_(y, x, *lora_slots, *a, *bt, *widths);
+}
+
 // Returns (h, residual): the last layer's output and the running residual, for the final norm.
 std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -47,7 +60,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::TensorList norms, const c10::List<c10::optional<at::Tensor>>& qk_norms,
     const c10::List<c10::optional<at::Tensor>>& linears, at::IntArrayRef formats,
     at::IntArrayRef group_sizes, at::IntArrayRef windows, double eps, double scale, int64_t num_heads,
-    int64_t num_kv_heads, int64_t num_layers) {
+    int64_t num_kv_heads, int64_t num_layers, const c10::optional<at::Tensor>& lora_slots,
+    const c10::List<c10::optional<at::Tensor>>& lora) {
   const int64_t L = num_layers;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_stack: x must be [T, H] contiguous");
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L &&
@@ -60,6 +74,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
   const bool qk = qk_norms.size() > 0;
   TORCH_CHECK(!qk || static_cast<int64_t>(qk_norms.size()) >= 2 * L, "decoder_stack: qk_norms is shorter than 2 per layer");
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) >= L, "decoder_stack: windows is shorter than L");
+  TORCH_CHECK(!lora_slots.has_value() || static_cast<int64_t>(lora.size()) >= L * kLinearsPerLayer * kLoRAEntries,
+              "decoder_stack: lora is shorter than 3 entries per linear");
   at::Tensor h = x, residual;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t li = l * kLinearsPerLayer;
@@ -71,6 +87,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
       a = pagoda_cpu::rms_norm(h, norms[2 * l], eps, residual);
     }
     at::Tensor qkv = run_linear(a, linears, li, formats[li], group_sizes[li]);
+    add_lora(qkv, a, lora_slots, lora, li);
     if (qk) {
       const int64_t hd = qkv.size(1) / (num_heads + 2 * num_kv_heads);
       norm_heads(qkv, *qk_norms.get(2 * l), eps, 0, num_heads, hd);
@@ -80,10 +97,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     a = pagoda_cpu::rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                                          query_start_loc, seq_lens, scale, num_heads, num_kv_heads, k_scales.get(l),
                                          v_scales.get(l), windows.empty() ? 0 : windows[l], 0.);
-    a = run_linear(a, linears, li + 1, formats[li + 1], group_sizes[li + 1]);
-    a = pagoda_cpu::rms_norm(a, norms[2 * l + 1], eps, residual);
-    a = pagoda_cpu::silu_and_mul(run_linear(a, linears, li + 2, formats[li + 2], group_sizes[li + 2]));
+    at::Tensor y = run_linear(a, linears, li + 1, formats[li + 1], group_sizes[li + 1]);
+    add_lora(y, a, lora_slots, lora, li + 1);
+    a = pagoda_cpu::rms_norm(y, norms[2 * l + 1], eps, residual);
+    y = run_linear(a, linears, li + 2, formats[li + 2], group_sizes[li + 2]);
+    add_lora(y, a, lora_slots, lora, li + 2);
+    a = pagoda_cpu::silu_and_mul(y);
     h = run_linear(a, linears, li + 3, formats[li + 3], group_sizes[li + 3]);
+    add_lora(h, a, lora_slots, lora, li + 3);
   }
   return {h, residual};
 }
@@ -96,7 +117,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "Tensor query_start_loc, Tensor seq_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "Tensor(c!)?[] k_scales, Tensor(d!)?[] v_scales, Tensor[] norms, Tensor?[] qk_norms, Tensor?[] linears, "
       "int[] formats, "
-      "int[] group_sizes, int[] windows, float eps, float scale, int num_heads, int num_kv_heads, int num_layers) "
+      "int[] group_sizes, int[] windows, float eps, float scale, int num_heads, int num_kv_heads, int num_layers, "
+      "Tensor? lora_slots, Tensor?[] lora) "
       "-> (Tensor, Tensor)");
 }
 
