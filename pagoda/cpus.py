@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -82,3 +84,74 @@ def resolve(cpus: str | None, threads: int | None) -> tuple[list[int] | None, in
     if cores is None and os.environ.get("OMP_NUM_THREADS"):
         return None, None
     return cores, default_threads(cores or allowed, cgroup_cpu_limit())
+
+
+def _busy_ticks(stat: str, cores: list[int]) -> int:
+    """Clock ticks the given cores spent running anything (user, nice, system, irq, softirq, steal), from the
+    text of /proc/stat."""
+    want = {f"cpu{c}" for c in cores}
+    total = 0
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] in want:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+            total += user + nice + system + irq + softirq + steal
+    return total
+
+
+class ThreadGovernor:
+    """Compute threads that follow the cores other processes leave free.
+
+    An OpenMP parallel region waits for its slowest thread, and a thread whose core another process also runs gets
+    half of that core's time: a step then runs at the speed of that half, slower than on the free cores alone. So
+    while other processes keep some of this process's cores busy, it runs that many fewer threads: every `interval`
+    seconds it reads the cores' busy time (/proc/stat) less its own CPU time, the other processes' share in cores,
+    and after two readings that agree it sets max_threads less that share (rounded half up), at least one thread.
+    A result never depends on the thread count (the kernels split rows and output columns across threads, never a
+    sum), so this changes speed only. `set_threads` is torch.set_num_threads (this module stays torch-free).
+    """
+
+    def __init__(self, cores: list[int], max_threads: int, set_threads: Callable[[int], None],
+                 interval: float = 0.5, stat_path: Path = Path("/proc/stat"),
+                 clock: Callable[[], float] = time.monotonic,
+                 own_cpu: Callable[[], float] = lambda: sum(os.times()[:2])) -> None:
+        self.cores, self.max_threads, self.threads = cores, max_threads, max_threads
+        self._set, self._interval, self._stat_path = set_threads, interval, stat_path
+        self._clock, self._own_cpu = clock, own_cpu
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._last: tuple[float, int, float] | None = None
+        self._pending: int | None = None  # a new thread count one reading has asked for
+        self.others = 0.0  # cores' worth of other processes' work on these cores at the last reading
+
+    @classmethod
+    def for_this_process(cls, threads: int, set_threads: Callable[[int], None]) -> ThreadGovernor | None:
+        """A governor where this process runs one thread on each core of its affinity mask (neither a CPU quota nor
+        the user chose fewer) and Linux's /proc/stat is readable; None otherwise."""
+        cores = affinity()
+        if threads != len(cores) or threads < 2 or not Path("/proc/stat").is_file():
+            return None
+        return cls(cores, threads, set_threads)
+
+    def tick(self) -> None:
+        """Called once per engine step; reads the counters at most every `interval` seconds."""
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self._interval:
+            return
+        try:
+            busy = _busy_ticks(self._stat_path.read_text(), self.cores)
+        except OSError:
+            return
+        mine = self._own_cpu()
+        last, self._last = self._last, (now, busy, mine)
+        if last is None:
+            return
+        wall = now - last[0]
+        self.others = max(0.0, ((busy - last[1]) / self._hz - (mine - last[2])) / wall)
+        want = max(1, min(self.max_threads, self.max_threads - math.floor(self.others + 0.5)))
+        if want == self.threads:
+            self._pending = None
+        elif want == self._pending:
+            self.threads, self._pending = want, None
+            self._set(want)
+        else:
+            self._pending = want

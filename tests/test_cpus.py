@@ -68,3 +68,86 @@ def test_an_engine_runs_the_threads_it_is_given(default_gguf: str) -> None:
     finally:
         torch.set_num_threads(before)
         os.sched_setaffinity(0, mask)
+
+
+class _FakeMachine:
+    """/proc/stat of two cores, a clock and this process's CPU time, advanced by hand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.now, self.mine, self.ticks = path, 0.0, 0.0, [0, 0]
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self._write()
+
+    def _write(self) -> None:
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        lines += [f"cpu{c} {t} 0 0 1000 0 0 0 0 0 0" for c, t in enumerate(self.ticks)]
+        self.path.write_text("\n".join(lines) + "\n")
+
+    def run(self, seconds: float, mine_cores: float, others_cores: float) -> None:
+        """`seconds` pass with this process using `mine_cores` cores' worth of time and others `others_cores`."""
+        self.now += seconds
+        self.mine += mine_cores * seconds
+        busy = round((mine_cores + others_cores) * seconds * self.hz)
+        self.ticks = [self.ticks[0] + busy // 2, self.ticks[1] + busy - busy // 2]
+        self._write()
+
+
+def test_threads_give_way_while_another_process_keeps_a_core_busy(tmp_path: Path) -> None:
+    m = _FakeMachine(tmp_path / "stat")
+    set_to: list[int] = []
+    gov = cpus.ThreadGovernor([0, 1], 2, set_to.append, interval=0.5, stat_path=m.path, clock=lambda: m.now,
+                              own_cpu=lambda: m.mine)
+    gov.tick()
+    for _ in range(4):  # quiet: this process's own work never counts as someone else's
+        m.run(1.0, 2.0, 0.0)
+        gov.tick()
+    assert gov.threads == 2 and set_to == []
+    m.run(0.1, 2.0, 0.0)
+    gov.tick()  # before the interval: not read
+    m.run(0.4, 2.0, 0.0)
+    gov.tick()
+    m.run(1.0, 1.5, 0.5)  # a busy process shares a core with one of the threads
+    gov.tick()
+    assert gov.threads == 2 and gov.others == pytest.approx(0.5, abs=0.05)  # one reading is not enough
+    m.run(1.0, 1.5, 0.5)
+    gov.tick()
+    assert gov.threads == 1 and set_to == [1]
+    for _ in range(3):  # on one thread, the other process has its core to itself: stays at one
+        m.run(1.0, 1.0, 1.0)
+        gov.tick()
+    assert gov.threads == 1 and set_to == [1]
+    m.run(1.0, 1.0, 0.0)  # it stopped
+    gov.tick()
+    m.run(1.0, 1.0, 0.1)  # light noise does not take a core away
+    gov.tick()
+    assert gov.threads == 2 and set_to == [1, 2]
+
+
+def test_no_governor_where_the_threads_are_not_one_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpus, "affinity", lambda: [0, 1, 2, 3])
+    assert cpus.ThreadGovernor.for_this_process(2, lambda n: None) is None  # a quota or the user chose fewer
+    assert cpus.ThreadGovernor.for_this_process(4, lambda n: None) is not None
+    monkeypatch.setattr(cpus, "affinity", lambda: [0])
+    assert cpus.ThreadGovernor.for_this_process(1, lambda n: None) is None
+
+
+def test_outputs_do_not_depend_on_the_thread_count(tiny_llama: str, default_gguf: str) -> None:
+    """What lets the governor change the thread count mid-run: every kernel splits rows and columns across threads,
+    never a sum, so tokens and logprobs are the same bits on one thread or several."""
+    from pagoda import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    prompts = [{"prompt_token_ids": list(range(5 + 7 * i, 30 + 19 * i))} for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    try:
+        for kw in ({"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "int8"},
+                   {"dtype": "bfloat16", "quantization": "int4", "kv_cache_dtype": "int8"}):
+            llm = LLM(tiny_llama, tokenizer=default_gguf, kv_cache_memory="32MiB", **kw)
+            runs = []
+            for n in (max(2, before), 1):
+                torch.set_num_threads(n)
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+            assert runs[0] == runs[1], kw
+    finally:
+        torch.set_num_threads(before)

@@ -18,7 +18,7 @@ from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, Sequence
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
-from pagoda.cpus import affinity
+from pagoda.cpus import ThreadGovernor, affinity
 from pagoda.cpus import resolve as resolve_cpus
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.engine.input_processor import InputProcessor, ProcessedRequest
@@ -64,6 +64,10 @@ class LLMEngine:
             torch.set_num_threads(threads)
         logger.info("compute threads: %d on cores %s", torch.get_num_threads(),
                     ",".join(map(str, cores or affinity())))
+        # Threads chosen for this process's cores (not by the user, not shared by tensor-parallel ranks) give way
+        # while other processes keep some of those cores busy.
+        self.thread_governor = ThreadGovernor.for_this_process(torch.get_num_threads(), torch.set_num_threads) \
+            if config.threads is None and threads is not None and config.tensor_parallel_size == 1 else None
         torch.manual_seed(config.seed)
         self.files = resolve_model_files(config.model)
         self.args = ModelArgs.from_hf_config(self.files.hf_config)
@@ -330,6 +334,8 @@ class LLMEngine:
         engine goes on with the rest.
         """
         self._step_seqs = None
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         try:
             return self._step()
         except WorkerDiedError:  # not this step's fault, and no later step can run: the engine is dead
