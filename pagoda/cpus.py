@@ -8,6 +8,7 @@ names them (`--threads`, `--cpus`, OMP_NUM_THREADS). Torch-free: read before tor
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+logger = logging.getLogger(__name__)
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -151,6 +153,8 @@ class ThreadGovernor:
         if want == self.threads:
             self._pending = None
         elif want == self._pending:
+            logger.info("compute threads: %d -> %d (other processes keep %.1f of cores %s busy)", self.threads, want,
+                        self.others, ",".join(map(str, self.cores)))
             self.threads, self._pending = want, None
             self._set(want)
         else:

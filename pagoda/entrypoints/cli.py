@@ -93,8 +93,8 @@ def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
     p.add_argument("--cpus", default=None, metavar="LIST",
                    help="run on these cores only, e.g. 0-3,6 (default: the cores this process may use)")
     p.add_argument("--threads", type=int, default=None,
-                   help="compute threads (default: one per usable core, capped by a container's CPU quota; "
-                        "OMP_NUM_THREADS where set)")
+                   help="compute threads (default: one per usable core, capped by a container's CPU quota, and "
+                        "fewer while other processes keep some of those cores busy; OMP_NUM_THREADS where set)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
