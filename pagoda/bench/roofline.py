@@ -35,16 +35,34 @@ class Roofline:
 
 # ---- measurement ---------------------------------------------------------------------------------
 def measure_matmul_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    """Best-of-`reps` FLOP/s of an n x n x n GEMM through torch (after one warm-up)."""
+    """Best-of-`reps` FLOP/s of an n x n x n GEMM (after one warm-up): the faster of torch's and, where the C++
+    kernels run `dtype`, Pagoda's own panel GEMM (its AMX tiles on CPUs that have them, which torch's oneDNN is
+    capped below in this process: process_env.py). The roofline is the best matmul this process can run."""
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # warm-up: thread pool start, kernel selection
+    candidates = [lambda: torch.mm(a, b)]
+    packed = _panel_weight(b)
+    if packed is not None:
+        candidates.append(lambda: torch.ops.pagoda.packed_linear(a, packed, None))
     best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
+    for run in candidates:
+        run()  # warm-up: thread pool start, kernel selection, AMX tile state
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def _panel_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in Pagoda's panel layout where this process loaded the C++ kernels and they take it, else None."""
+    from pagoda.kernels.cpu_extension import loaded_build
+
+    if loaded_build() is None:
+        return None
+    from pagoda.kernels.linear import panel_pack
+
+    return panel_pack(weight)
 
 
 def measure_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
