@@ -12,6 +12,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
+from pagoda.bench.quant_table import weight_bytes_by_format
 from pagoda.kernels import gguf_blocks
 from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linear
 from pagoda.quantization.gguf_native import stored_weight
@@ -181,10 +182,9 @@ def test_a_kquant_gguf_runs_as_stored_and_generates_what_its_float_copy_does(tmp
     types = {t for t, _, _ in gguf_blocks.segments(layer.self_attn.qkv_proj.qweight.scales)}
     assert types == {int(T.Q4_K), int(T.Q6_K)}  # q, k in Q4_K beside v in Q6_K, one fused weight
     assert model.embed_tokens.pw.format == "gguf"
-    file_bytes = Path(path).stat().st_size
-    held = sum(m.qweight.nbytes for m in model.modules() if getattr(m, "qweight", None) is not None) \
-        + model.embed_tokens.pw.nbytes
-    assert held <= 1.05 * file_bytes
+    held = weight_bytes_by_format(model)  # what `pagoda bench quant` prints
+    assert held["Q4_K"] > 0 and held["Q6_K"] > 0 and "float32" in held  # the norms
+    assert sum(held.values()) <= 1.05 * Path(path).stat().st_size
     got = greedy(stored)
     del stored
     want = greedy(LLM(path, tokenizer=default_gguf, dtype="float32", kv_cache_memory="16MiB"))  # dequantized
