@@ -189,3 +189,15 @@ def test_a_kquant_gguf_runs_as_stored_and_generates_what_its_float_copy_does(tmp
     del stored
     want = greedy(LLM(path, tokenizer=default_gguf, dtype="float32", kv_cache_memory="16MiB"))  # dequantized
     assert got == want
+
+
+def test_tensor_parallel_splits_whole_super_blocks() -> None:
+    from pagoda.distributed.tensor_parallel import _take_columns
+
+    k = 512
+    raw = random_blocks(T.Q6_K, 32, k)
+    part = _take_columns(stored_weight(raw, int(T.Q6_K), k), range(256, 512), "down_proj")
+    assert (part.format, part.in_features) == ("gguf", 256)
+    torch.testing.assert_close(part.dequantize(), reference(raw, T.Q6_K)[:, 256:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="split a GGUF block"):
+        _take_columns(stored_weight(raw, int(T.Q6_K), k), range(128, 384), "down_proj")

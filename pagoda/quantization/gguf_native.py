@@ -210,9 +210,11 @@ def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
                         kind.group, k)
 
 
-def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+def gguf_native_weights(files: ModelFiles, dtype: torch.dtype,
+                        keep_blocks: bool = True) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """The GGUF as a weight stream: the matrices of the types of BLOCK_TYPES (the embedding table included) as
-    PackedWeights of their codes, everything else dequantized to `dtype`. Logs the bytes by type."""
+    PackedWeights, in their blocks' bits where `keep_blocks` and keeps_blocks() allow, else of their codes; everything
+    else dequantized to `dtype`. Logs the bytes by type."""
     g: GGUFFile = files._gguf
     cfg = files.hf_config
     heads = int(cfg["num_attention_heads"])
@@ -236,7 +238,8 @@ def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple
             continue
         if info.qtype in NATIVE and len(info.dims) == 2 and hf.endswith(".weight"):
             raw = g.raw_tensor(name)
-            pw = stored_weight(raw, info.qtype, info.dims[0]) if keeps_blocks(info.qtype, raw.shape[0]) else \
+            pw = stored_weight(raw, info.qtype, info.dims[0]) \
+                if keep_blocks and keeps_blocks(info.qtype, raw.shape[0]) else \
                 packed_from_blocks(raw, info.qtype, info.dims[0])
             if permute and n_head:
                 pw = pw.rows(torch.from_numpy(unpermute_qk(np.arange(pw.out_features), n_head)))
