@@ -1,4 +1,4 @@
-"""GGUF's Q4_K, Q5_K, Q6_K and Q5_0 kept in their blocks' bits (format "gguf", kernels/gguf_blocks.py): the C++
+"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0 and Q8_0 kept in their blocks' bits (format "gguf", kernels/gguf_blocks.py): the C++
 kernel computes gguf-py's dequantized weights times x at every row count, with the same bits for a row whatever the
 batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as stored, generating what its float copy does."""
 from __future__ import annotations
@@ -19,15 +19,15 @@ from pagoda.quantization.gguf_native import stored_weight
 
 # Byte offsets of each K-quant's fp16 fields (d, dmin): random bytes there could be inf or NaN.
 FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0]
+TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0]
 ROWS = (1, 3, 17, 64)
 
 
 def random_blocks(qtype: T, rows: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
-    """Valid blocks of `qtype`, uint8 [rows, bytes]: gguf-py's quantizer where it has one (Q5_0), else random bytes
-    (every code and sub-block scale) with finite fp16 scales in [-scale, scale]."""
+    """Valid blocks of `qtype`, uint8 [rows, bytes]: gguf-py's quantizer where it has one (Q5_0, Q8_0), else random
+    bytes (every code and sub-block scale) with finite fp16 scales in [-scale, scale]."""
     rng = np.random.default_rng(seed)
-    if qtype == T.Q5_0:
+    if qtype in (T.Q5_0, T.Q8_0):
         return quantize(rng.standard_normal((rows, k)).astype(np.float32) * scale, qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
@@ -72,7 +72,7 @@ def test_kernel_equals_gguf_py_weights_times_x_at_every_row_count(qtype: T) -> N
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_bf16_activations_are_the_fp32_sums_rounded_once(qtype: T) -> None:
-    n, k = 64, 256 if qtype != T.Q5_0 else 96
+    n, k = 64, 256 if qtype not in (T.Q5_0, T.Q8_0) else 96
     raw = random_blocks(qtype, n, k, seed=1)
     pw = prepared(raw, qtype, k, torch.bfloat16)
     x = torch.randn(max(ROWS), k).bfloat16()
@@ -99,6 +99,23 @@ def test_bias_and_a_fused_weight_of_two_types() -> None:
     rows = torch.tensor([95, 0, 70, 3, 64])  # an embedding's lookups, across the segments, from both layouts
     torch.testing.assert_close(pw.dequantize_rows(rows), ref[rows], rtol=0, atol=0)
     torch.testing.assert_close(fused.dequantize_rows(rows), ref[rows], rtol=0, atol=0)
+
+
+def test_q8_0_codes_fuse_with_gguf_blocks_as_the_q8_0_blocks_they_are() -> None:
+    """v in Q8_0 beside q, k in Q5_0 (a Q4_K_M file whose widths the K-quants cannot take): Q8_0 alone loads as INT8
+    codes, and fused with GGUF blocks it becomes one more segment, with the same weights."""
+    from pagoda.quantization.gguf_native import packed_from_blocks
+
+    k = 64
+    a, b = random_blocks(T.Q5_0, 64, k, seed=4), random_blocks(T.Q8_0, 32, k, seed=5)
+    int8 = packed_from_blocks(b, int(T.Q8_0), k)
+    assert int8.format == "int8"
+    fused = PackedWeight.cat([stored_weight(a, int(T.Q5_0), k), int8])
+    assert [t for t, _, _ in gguf_blocks.segments(fused.scales)] == [int(T.Q5_0), int(T.Q8_0)]
+    ref = torch.cat([reference(a, T.Q5_0), reference(b, T.Q8_0)])
+    torch.testing.assert_close(fused.dequantize(), ref, rtol=0, atol=0)
+    x = torch.randn(3, k)
+    assert_sums_of(quant_linear(x, kernel_layout(fused, torch.float32), None), x, ref, 1e-5)
 
 
 def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""GGUF's super-block formats held as stored (PackedWeight format "gguf"): one table row per GGML type says how its
+"""GGUF's block formats held as stored (PackedWeight format "gguf"): one table row per GGML type says how its
 blocks split into codes and fields; one packer regroups any row's blocks into the portable panels the C++ kernel reads
 (cpu/gguf_blocks.h, whose Traits mirror this table), with the same bits and no others.
 
@@ -6,7 +6,8 @@ A "gguf" weight is a list of segments, each of one GGML type (a fused q|k|v may 
 uint8 [bytes] holds them one after another, `scales` is the segment table int64 [S, 3] of (GGML type, output rows,
 byte offset). Layout "rows": each segment's GGUF rows as the file stores them; "vpanels": per panel of P output
 columns and per super-block, the P columns' fields (d, dmin, sub-block scales, mins: each [count][P]), their low
-nibbles [block][P / 2] (byte j: column j low, j + P / 2 high) and the code bits above them [block][P * high / 8].
+nibbles [block][P / 2] (byte j: column j low, j + P / 2 high) and the code bits above them [block][P * high / 8];
+8-bit codes (Q8_0) as signed bytes [block][P] instead.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ Split = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]
 class GgufBlock:
     block: int       # weights per super-block
     group: int       # weights per sub-block scale
-    high_bits: int   # code bits above the low nibble
+    high_bits: int   # code bits above the low nibble (4: whole signed bytes)
     split: Split
 
 
@@ -71,11 +72,16 @@ def _q5_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return _nibble_pairs(b[:, 6:22], 1, 16) | (high << 4), [_u16(b[:, 0:2])]
 
 
+def _q8_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    return b[:, 2:34].copy(), [_u16(b[:, 0:2])]  # the int8 codes' bytes
+
+
 GGUF_BLOCKS: dict[int, GgufBlock] = {
     int(T.Q4_K): GgufBlock(256, 32, 0, _q4_k),
     int(T.Q5_K): GgufBlock(256, 32, 1, _q5_k),
     int(T.Q6_K): GgufBlock(256, 16, 2, _q6_k),
     int(T.Q5_0): GgufBlock(32, 32, 1, _q5_0),
+    int(T.Q8_0): GgufBlock(32, 32, 4, _q8_0),
 }
 MAX_PANEL = 32  # the widest build's panel (AVX-512: 2 x 16 lanes): segments of a multiple of it fit every build
 
@@ -130,6 +136,18 @@ def take_rows(data: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
     return torch.cat(chunks), segment_table(parts)
 
 
+def q8_0_from_codes(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """INT8 codes [N, K] with one scale per 32 that is an fp16 number (a Q8_0's codes and scales) as the Q8_0 rows
+    they came from, or None where a scale is not an fp16 number."""
+    half = scales.half()
+    if not torch.equal(half.float(), scales):
+        return None
+    n, k = codes.shape
+    data = torch.cat([half.view(torch.uint8).reshape(n, k // 32, 2), codes.view(torch.uint8).reshape(n, k // 32, 32)],
+                     dim=-1)
+    return data.reshape(-1), segment_table([(int(T.Q8_0), n, 0)])
+
+
 def take_columns(data: torch.Tensor, table: torch.Tensor, cols: range, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layout "rows": input columns `cols` of every row (whole super-blocks: a tensor-parallel split)."""
     chunks, parts, offset = [], [], 0
@@ -168,6 +186,8 @@ def _panels(raw: np.ndarray, qtype: int, k: int, width: int) -> np.ndarray:
 
     parts = [columns_last(f).view(np.uint8).reshape(n // width, nsb, -1) for f in fields]
     q = columns_last(codes)                                                  # [N / width, nsb, block, width]
+    if spec.high_bits == 4:
+        return np.concatenate([*parts, q.reshape(n // width, nsb, -1)], axis=-1).reshape(-1)
     low = q & 0xF
     parts.append((low[..., :half] | (low[..., half:] << 4)).reshape(n // width, nsb, -1))
     if spec.high_bits:

@@ -260,12 +260,21 @@ class PackedWeight:
             q = self.data[p, :, c]
         return PackedWeight(self.format, q.contiguous(), scales, offsets, self.group_size, self.in_features)
 
+    def _as_q8_0(self) -> PackedWeight:
+        """INT8 codes of fp16 scales per 32 as the Q8_0 blocks they are (else as they are): exactly the same weights."""
+        blocks = gguf_blocks.q8_0_from_codes(self.data, self.scales) \
+            if (self.layout, self.group_size, self.offsets) == ("rows", 32, None) else None
+        if blocks is None:
+            return self
+        return PackedWeight("gguf", *blocks, None, 32, self.in_features)
+
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
         """Stack along output rows (fused q|k|v and gate|up), row-major; all parts share format and groups."""
         parts = [p.row_major() for p in parts]
         p0 = parts[0]
         if any(p.format == "gguf" for p in parts):
+            parts = [p._as_q8_0() if p.format == "int8" else p for p in parts]  # a Q8_0 part beside K-quant parts
             if any(p.format != "gguf" or p.in_features != p0.in_features for p in parts):
                 raise ValueError("cannot fuse GGUF blocks with other formats")
             tables, offset = [], 0

@@ -180,7 +180,9 @@ BLOCK_TYPES: dict[int, BlockType] = {
     int(T.MXFP4): BlockType("int8", 32, _mxfp4),
 }
 NATIVE = frozenset(BLOCK_TYPES)
-STORED = frozenset(GGUF_BLOCKS)  # kept in their blocks' bits (stored_weight), where the kernels run them
+# Kept in their blocks' bits (stored_weight), where the kernels run them. A Q8_0 matrix alone keeps its INT8 codes
+# (the bf16 panel kernel's); fused beside GGUF blocks it joins them as the Q8_0 blocks it is (PackedWeight.cat).
+STORED = frozenset(GGUF_BLOCKS) - {Q8_0}
 
 
 def keeps_blocks(qtype: int, rows: int) -> bool:

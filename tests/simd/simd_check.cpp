@@ -199,7 +199,8 @@ void check_gguf(const char* name, uint32_t& state) {
     src.load(0, k, lo, hi);
     vstore(got, lo);
     vstore(got + W, hi);
-    for (int c = 0; c < P; ++c) {
+    for (int c = 0; c < P && B::kWholeBytes; ++c) want[c] = static_cast<int8_t>(b[kk * P + c]);
+    for (int c = 0; c < P && !B::kWholeBytes; ++c) {
       const uint8_t byte = b[kk * W + c % W];
       int q = c < W ? byte & 0xF : byte >> 4;
       for (int i = 0; i < Tr::kHigh; ++i) {
@@ -326,6 +327,7 @@ int main() {
   check_gguf<pagoda_gguf::kQ5_K>("Q5_K", state);
   check_gguf<pagoda_gguf::kQ6_K>("Q6_K", state);
   check_gguf<pagoda_gguf::kQ5_0>("Q5_0", state);
+  check_gguf<pagoda_gguf::kQ8_0>("Q8_0", state);
 #if defined(PAGODA_INT4X8_I8)
   check_int4x8<1, 2>(state);
   check_int4x8<3, 1>(state);

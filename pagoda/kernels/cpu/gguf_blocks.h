@@ -1,4 +1,4 @@
-// GGUF's super-block formats (Q4_K, Q5_K, Q6_K, Q5_0) held as stored, regrouped into the portable panels of
+// GGUF's block formats (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0) held as stored, regrouped into the portable panels of
 // quant_vpanel_linear.cpp: one row of the table below per GGML type names its block decoder, and the panel driver
 // runs every row of the table.
 //
@@ -7,7 +7,8 @@
 // blocks of that type (one per output column), regrouped so that every field of a column sits in its lane:
 //   d [P] fp16, dmin [P] fp16 (types with a min), sub-block scales [groups][P] (uint8; Q6_K int8), mins [groups][P],
 //   low nibbles [block][W] (byte j: column j low, column j + W high, as vpanels' INT4), then the code bits above
-//   the nibble [block][P * high / 8] (column c at bit c * high of each k's little-endian field).
+//   the nibble [block][P * high / 8] (column c at bit c * high of each k's little-endian field); 8-bit codes (Q8_0)
+//   are signed bytes [block][P] instead of the two planes.
 // A code q (0 .. 2^bits - 1) is the weight gguf-py dequantizes: (d * sc) * (q - bias) - dmin * m, where every
 // product is exact in fp32, so the group epilogue's s = d * sc and o = -dmin * m are gguf-py's own numbers.
 #pragma once
@@ -28,7 +29,7 @@ using pagoda_simd::W;
 constexpr int P = 2 * W;  // output columns per panel
 
 // GGML type ids (ggml.h's enum ggml_type), as the segment table names them.
-enum GgmlType : int64_t { kQ5_0 = 6, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t { kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // One row per type: weights per super-block and per scale, code bits above the low nibble, the code's bias, whether
 // it has per-sub-block scales (else d alone) and mins, and whether the sub-block scales are signed.
@@ -55,6 +56,12 @@ struct Traits<kQ5_0> {
   static constexpr bool kSubScales = false, kMin = false, kSignedScales = false;
 };
 
+template <>
+struct Traits<kQ8_0> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 4, kBias = 0;  // kHigh 4: whole signed bytes
+  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false;
+};
+
 // fn(std::integral_constant<int64_t, T>) for a type known only at run time; false for a type not in the table.
 template <typename Fn>
 inline bool dispatch_type(int64_t type, Fn&& fn) {
@@ -63,6 +70,7 @@ inline bool dispatch_type(int64_t type, Fn&& fn) {
     case kQ5_K: fn(std::integral_constant<int64_t, kQ5_K>{}); return true;
     case kQ6_K: fn(std::integral_constant<int64_t, kQ6_K>{}); return true;
     case kQ5_0: fn(std::integral_constant<int64_t, kQ5_0>{}); return true;
+    case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); return true;
     default: return false;
   }
 }
@@ -80,8 +88,9 @@ struct Blocks {
   using Tr = Traits<T>;
   static constexpr int kGroups = Tr::kBlock / Tr::kGroup;
   static constexpr int64_t kMeta = 2 * P * (Tr::kMin ? 2 : 1) + (Tr::kSubScales ? kGroups * P * (Tr::kMin ? 2 : 1) : 0);
-  static constexpr int64_t kHighBytes = P * Tr::kHigh / 8;  // per k
-  static constexpr int64_t kBytes = kMeta + Tr::kBlock * (W + kHighBytes);
+  static constexpr bool kWholeBytes = Tr::kHigh == 4;
+  static constexpr int64_t kHighBytes = kWholeBytes ? 0 : P * Tr::kHigh / 8;  // per k
+  static constexpr int64_t kBytes = kMeta + Tr::kBlock * (kWholeBytes ? P : W + kHighBytes);
 
   const uint8_t* w;  // [panels, K / block, kBytes]
   int64_t K, G, gs, nsb;
@@ -117,9 +126,14 @@ struct Blocks {
   inline void load(int64_t p, int64_t k, vf& lo, vf& hi) const {
     const uint8_t* b = w + (p * nsb + k / Tr::kBlock) * kBytes + kMeta;
     const int64_t kk = k % Tr::kBlock;
+    if constexpr (kWholeBytes) {
+      lo = __builtin_convertvector(pagoda_simd::vload_widen<true>(b + kk * P), vf);
+      hi = __builtin_convertvector(pagoda_simd::vload_widen<true>(b + kk * P + W), vf);
+      return;
+    }
     const vi v = pagoda_simd::vload_widen<false>(b + kk * W);
     vi a = v & 0xF, c = v >> 4;
-    if constexpr (Tr::kHigh > 0) {
+    if constexpr (Tr::kHigh > 0 && !kWholeBytes) {
       constexpr int half = W * Tr::kHigh;  // bits of one vector's columns
       uint64_t f = 0;
       std::memcpy(&f, b + Tr::kBlock * W + kk * kHighBytes, kHighBytes);
