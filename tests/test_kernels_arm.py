@@ -23,7 +23,8 @@ QEMU = "qemu-aarch64"
 KERNELS = Path(cpu_extension.__file__).parent / "cpu"
 SOURCES = sorted(KERNELS.glob("*.cpp"))
 SIMD_CHECK = Path(__file__).parent / "simd" / "simd_check.cpp"
-CHECKS = 23  # simd_check's lines: 3 formats x 6 steps, the transpose, bf16 store, bf16 load and round, vexp, fp16
+CHECKS = 28  # simd_check's lines: 3 formats x 6 steps, the transpose, bf16 store, bf16 load and round, vexp, fp16,
+#              5 GGUF block decoders
 I8_CHECKS = 3  # and the INT4 x INT8-activation kernel at 3 row counts, where the target has it (x86, Arm dotprod)
 
 

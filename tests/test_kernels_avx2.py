@@ -15,7 +15,8 @@ from pagoda.kernels.cpu_features import has_x86_64_v3
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["tests/test_paged_attention.py", "tests/test_fused_ops.py", "tests/test_linear_kernel.py",
-                "tests/test_quant_kernels.py", "tests/test_kv_cache_dtype.py", "tests/test_batch_invariance.py",
+                "tests/test_quant_kernels.py", "tests/test_kquants.py", "tests/test_kv_cache_dtype.py",
+                "tests/test_batch_invariance.py",
                 "tests/test_kernels_avx2.py::test_avx2_build_offers_no_avx512_only_kernels",
                 "tests/test_kernels_avx2.py::test_a_process_holds_one_kernel_build"]
 # Greedy equals HF fp32 over the tiny Llama, Qwen2 and Qwen3 (prefill, decode, chunked prefill, preemption,

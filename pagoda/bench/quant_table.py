@@ -47,34 +47,59 @@ def parse_row(spec: str, model: str | None) -> RowSpec:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight the model holds (weight_bytes_by_format, summed)."""
+    return sum(weight_bytes_by_format(model).values())
+
+
+def weight_bytes_by_format(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of every weight the model holds (parameters, weight buffers, packed quantized weights), by the format
+    they are held in (a float dtype, int4/int8/fp8, a GGUF block type), each storage counted once; the KV cache and
+    RoPE tables are not weights, nor is the packed copy of a float weight (a Linear's matmul panels or oneDNN
+    layout, a cache that float rows hold in addition), nor what the decoder stack holds (the layers' own tensors and
+    the caches)."""
     import torch  # here: `--help` reads add_arguments without loading torch
+    from gguf.constants import GGMLQuantizationType
 
-    """Bytes of every weight the model holds (parameters, weight buffers, packed quantized weights),
-    each storage counted once; the KV cache and RoPE tables are not weights, nor is the packed copy of a
-    float weight (a Linear's matmul panels or oneDNN layout, a cache that float rows hold in addition)."""
+    from pagoda.kernels.gguf_blocks import segments
+    from pagoda.kernels.quant_linear import PackedWeight
+
     seen: set[int] = set()
-    total = 0
+    total: dict[str, int] = {}
 
-    def add(t: torch.Tensor) -> None:
-        nonlocal total
+    def add(t: torch.Tensor, label: str) -> bool:
         if t.device.type == "meta" or t.numel() == 0:
-            return
+            return False
         key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
+        if key in seen:
+            return False
+        seen.add(key)
+        total[label] = total.get(label, 0) + t.untyped_storage().nbytes()
+        return True
+
+    def add_gguf(pw: PackedWeight) -> None:
+        """The blocks by their GGML type: segment s runs from its offset to the next one's."""
+        if not add(pw.scales, "gguf tables") or pw.data.untyped_storage().data_ptr() in seen:
+            return
+        seen.add(pw.data.untyped_storage().data_ptr())
+        parts = segments(pw.scales)
+        for (t, _, start), end in zip(parts, [o for _, _, o in parts[1:]] + [pw.data.numel()]):
+            name = GGMLQuantizationType(t).name
+            total[name] = total.get(name, 0) + end - start
 
     for m in model.modules():
         for name, value in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]:
-            if value is None or "cache" in name or name in ("cos", "sin", "k_scale", "v_scale", "matmul"):
+            if value is None or "cache" in name or name in ("cos", "sin", "k_scale", "v_scale", "matmul", "stack"):
                 continue
             if isinstance(value, torch.Tensor):
-                add(value)
+                add(value, str(value.dtype).removeprefix("torch."))
+            elif isinstance(value, PackedWeight) and value.format == "gguf":
+                add_gguf(value)
             elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                label = value.format if isinstance(value, PackedWeight) else type(value).__name__
                 for f in dataclasses.fields(value):
                     v = getattr(value, f.name)
                     if isinstance(v, torch.Tensor):
-                        add(v)
+                        add(v, label)
     return total
 
 
@@ -149,7 +174,8 @@ def measure_row(row: RowSpec, reqs: list[BenchRequest], text_ids: list[int],
     load_s = time.perf_counter() - t0
     out.update(row=row.name, dtype=str(llm.engine.dtype).removeprefix("torch."),
                cpu_kernels=llm.engine.runner.policy.kernel_set,
-               weight_bytes=weight_bytes(llm.engine.runner.model), load_s=load_s)
+               weight_bytes=weight_bytes(llm.engine.runner.model), load_s=load_s,
+               weight_bytes_by_format=weight_bytes_by_format(llm.engine.runner.model))
     ppl = perplexity(llm, text_ids, args.max_length, args.stride)
     out.update(perplexity=ppl.perplexity, ppl_tok_s=ppl.tokens_per_s)
     out["throughput_out_tok_s"] = run_engine(llm, reqs).output_tok_s
@@ -230,6 +256,10 @@ def main(args: argparse.Namespace) -> int:
           f"throughput: {args.concurrency} requests x {args.output_len} output tokens, greedy, ignore_eos; "
           f"CPU kernels: {rows[0].get('cpu_kernels', '?')}")
     print_table(rows, base)
+    for r in rows:
+        if "weight_bytes_by_format" in r:
+            print(f"{r['row']} weights by format: " + ", ".join(
+                f"{k} {v / 1e6:.1f} MB" for k, v in sorted(r["weight_bytes_by_format"].items(), key=lambda kv: -kv[1])))
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump({"rows": rows, "args": {k: v for k, v in vars(args).items() if k != "func"}}, f, indent=1)

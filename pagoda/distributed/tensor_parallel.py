@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import gguf_blocks
 from pagoda.kernels.quant_linear import PackedWeight
 from pagoda.model.args import ModelArgs
 from pagoda.model.weights import Weight, fused_target
@@ -148,6 +149,14 @@ def _take_rows(w: Weight, rows: list[int]) -> Weight:
 def _take_columns(w: Weight, cols: range, name: str) -> Weight:
     if isinstance(w, torch.Tensor):
         return w[:, cols.start:cols.stop].contiguous()
+    if w.format == "gguf":  # whole super-blocks of every row
+        if w.layout != "rows":
+            raise ValueError(f"tensor parallelism: {name} is split before its GGUF blocks are put in panels")
+        try:
+            data, table = gguf_blocks.take_columns(w.data, w.scales, cols, w.in_features)
+        except ValueError as e:
+            raise ValueError(f"tensor parallelism: {name}: {e}; choose another tensor_parallel_size") from e
+        return PackedWeight("gguf", data, table, None, w.group_size, len(cols))
     g = w.group_size
     per_channel = g == w.in_features  # one scale per row (int8, fp8): it covers any slice of the row
     if per_channel:

@@ -8,7 +8,7 @@ from typing import Literal
 
 _HEADER = Path(__file__).parent / "cpu" / "linear_formats.h"
 
-QuantFormat = Literal["int4", "int8", "fp8"]  # what one code is (PackedWeight.format)
+QuantFormat = Literal["int4", "int8", "fp8", "gguf"]  # what one code is (PackedWeight.format; gguf: gguf_blocks.py)
 # How the codes are laid out (PackedWeight.layout): rows as stored; INT4 in blocks of 8 interleaved rows for the
 # INT8-activation kernel (VNNI, AVX2 or Arm sdot); INT4 rows as stored for the INT8-activation kernel of the other
 # shapes (rows_a8: the same bytes, read by another kernel); panels of 16 output columns for the bf16 panel kernel;
@@ -37,6 +37,8 @@ QUANT_CODES: dict[tuple[QuantFormat, Layout], int] = {
     ("int4", "vpanels"): LINEAR_FORMATS["int4v"],
     ("int8", "vpanels"): LINEAR_FORMATS["int8v"],
     ("fp8", "vpanels"): LINEAR_FORMATS["fp8v"],
+    ("gguf", "rows"): LINEAR_FORMATS["gguf"],
+    ("gguf", "vpanels"): LINEAR_FORMATS["ggufv"],
 }
 # quant_panel_linear's `kind` is a panel code minus this one (as decoder_stack.cpp computes it).
 FIRST_PANEL_CODE = LINEAR_FORMATS["int4p"]

@@ -68,7 +68,7 @@ def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | No
     if qweight is not None:
         pw = kernel_layout(qweight, act_dtype, policy.int4_activations) if policy.cpp else qweight
         cpp = policy.cpp and cpp_supported(pw)
-        if policy.tuner is not None and cpp and pw.layout in ("panels16", "vpanels") \
+        if policy.tuner is not None and cpp and pw.layout in ("panels16", "vpanels") and pw.format != "gguf" \
                 and torch.ops.pagoda.quant_linear_supported(pw.in_features, pw.group_size):  # the row-major kernel's
             fmt = pw.format + ("+off" if pw.offsets is not None else "")
             shape = TuningShape(fmt, pw.out_features, pw.in_features, pw.group_size, act_dtype)

@@ -11,6 +11,8 @@ per 32 columns and compute with integer dot products: layout "interleave8" (8 in
 AVX2's vpmaddubsw or Arm's sdot) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute
 the same sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another device
 use the torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
+GGUF's super-block formats (format "gguf": Q4_K, Q5_K, Q6_K, Q5_0, kernels/gguf_blocks.py) keep their blocks' bits
+and run the portable panel driver with their own block decoders, at every row count and on every build.
 
 Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
 output in one order at every row count, and the fallback multiplies through oneDNN with at least two rows
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels import gguf_blocks
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.linear import PANEL, dense_linear
 from pagoda.kernels.linear_formats import FIRST_PANEL_CODE, FIRST_VPANEL_CODE, QUANT_CODES, Layout, QuantFormat
@@ -40,9 +43,10 @@ def vpanel_width() -> int:
 class PackedWeight:
     """One quantized weight [N, K]: `format` says what a code is, `layout` how a kernel reads the codes
     (linear_formats.Layout); `code`, derived from the two, is what the C++ kernels dispatch on."""
-    format: QuantFormat          # "int4" | "int8" | "fp8" (e4m3)
+    format: QuantFormat          # "int4" | "int8" | "fp8" (e4m3) | "gguf" (GGUF super-blocks, gguf_blocks.py)
     data: torch.Tensor           # rows: int4 uint8 [N, K / 2] (low nibble = even k), int8 int8 [N, K], fp8 uint8 [N, K]
-    scales: torch.Tensor         # fp32 [N, K // group_size] (interleave8: [N // 8, G, 8]; panels16: [N // 16, G, 16])
+    scales: torch.Tensor         # fp32 [N, K // group_size] (interleave8: [N // 8, G, 8]; panels16: [N // 16, G, 16];
+    #                              gguf: the segment table int64 [S, 3], and data the blocks uint8 [bytes])
     offsets: torch.Tensor | None  # like scales, or None (symmetric)
     group_size: int
     in_features: int
@@ -59,6 +63,8 @@ class PackedWeight:
 
     @property
     def out_features(self) -> int:
+        if self.format == "gguf":
+            return int(self.scales[:, 1].sum())
         if self.layout == "vpanels":  # [N / P, K, P] (INT4: P / 2 bytes of two codes)
             return self.data.shape[0] * self.data.shape[2] * (2 if self.format == "int4" else 1)
         return self.data.shape[0] * _ROWS_PER_DATA_ROW[self.layout]
@@ -98,7 +104,10 @@ class PackedWeight:
         holding column j in its low nibble and column j + P / 2 in its high one); scales and offsets [N / P, G, P], in
         fp16 where every one of them is an fp16 number (a GGUF's Q4_0/Q4_1/Q8_0 blocks: the kernel widens them back
         exactly, so the sums are the fp32 layout's, and batch-1 decode, bound by the weights' bytes, reads 1 bit a
-        weight fewer), else fp32."""
+        weight fewer), else fp32. GGUF blocks regroup into the panels of gguf_blocks.py, with the same bits."""
+        if self.format == "gguf" and self.layout == "rows":
+            data, table = gguf_blocks.to_panels(self.data, self.scales, self.in_features, width)
+            return PackedWeight("gguf", data, table, None, self.group_size, self.in_features, "vpanels")
         self._require_row_major("vpanels", self.format, f"rows % {width} == 0 (FP8: per-channel scales)",
                                 self.out_features % width == 0 and (self.format != "fp8" or self.offsets is None))
         n, k, half = self.out_features, self.in_features, width // 2
@@ -151,6 +160,8 @@ class PackedWeight:
         """Layout rows: the inverse of interleave8 and panels16 (a row-major weight is returned as it is)."""
         if self.layout == "rows":
             return self
+        if self.format == "gguf":
+            raise ValueError("GGUF blocks in panels are not laid back into rows (dequantize_rows reads them)")
         if self.layout == "rows_a8":
             return PackedWeight("int4", self.data, self.scales, self.offsets, self.group_size, self.in_features)
         if self.layout == "vpanels":
@@ -164,6 +175,8 @@ class PackedWeight:
 
     def codes(self) -> torch.Tensor:
         """Per-weight codes as fp32 [N, K] (FP8: the e4m3 values themselves)."""
+        if self.format == "gguf":
+            raise ValueError("GGUF blocks have no codes of one scale per group; dequantize() reads them")
         if self.layout != "rows":
             return self.row_major().codes()
         if self.format == "int4":
@@ -175,6 +188,8 @@ class PackedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The effective float weight [N, K] every path computes with (the reference)."""
+        if self.format == "gguf":
+            return self.dequantize_rows(torch.arange(self.out_features), dtype)
         if self.layout != "rows":
             return self.row_major().dequantize(dtype)
         n, k, g = self.out_features, self.in_features, self.group_size
@@ -183,9 +198,23 @@ class PackedWeight:
             w = w + self.offsets.unsqueeze(-1)
         return w.view(n, k).to(dtype)
 
+    def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The effective float weights of output rows `index`, [R, K] (an embedding's lookups)."""
+        if self.format != "gguf":
+            return self.rows(index).dequantize(dtype)
+        if self.layout == "vpanels":
+            return torch.ops.pagoda.gguf_vpanel_rows(self.data, self.scales, index.long(), self.in_features).to(dtype)
+        data, table = gguf_blocks.take_rows(self.data, self.scales, index, self.in_features)
+        return gguf_blocks.dequantize_rows_layout(data, table, self.in_features).to(dtype)
+
     def rows(self, index: torch.Tensor) -> PackedWeight:
         """A PackedWeight of the selected output rows (row permutations, e.g. GGUF's Q/K un-permute; the rows
         a QuantEmbedding gathers), row-major."""
+        if self.format == "gguf":
+            if self.layout != "rows":
+                raise ValueError("GGUF blocks in panels: dequantize_rows gathers their rows")
+            data, table = gguf_blocks.take_rows(self.data, self.scales, index, self.in_features)
+            return PackedWeight("gguf", data, table, None, self.group_size, self.in_features)
         if self.layout == "panels16":  # gathered in place
             return self._panel_rows(index)
         if self.layout == "vpanels":
@@ -231,11 +260,29 @@ class PackedWeight:
             q = self.data[p, :, c]
         return PackedWeight(self.format, q.contiguous(), scales, offsets, self.group_size, self.in_features)
 
+    def _as_q8_0(self) -> PackedWeight:
+        """INT8 codes of fp16 scales per 32 as the Q8_0 blocks they are (else as they are): exactly the same weights."""
+        blocks = gguf_blocks.q8_0_from_codes(self.data, self.scales) \
+            if (self.layout, self.group_size, self.offsets) == ("rows", 32, None) else None
+        if blocks is None:
+            return self
+        return PackedWeight("gguf", *blocks, None, 32, self.in_features)
+
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight:
         """Stack along output rows (fused q|k|v and gate|up), row-major; all parts share format and groups."""
         parts = [p.row_major() for p in parts]
         p0 = parts[0]
+        if any(p.format == "gguf" for p in parts):
+            parts = [p._as_q8_0() if p.format == "int8" else p for p in parts]  # a Q8_0 part beside K-quant parts
+            if any(p.format != "gguf" or p.in_features != p0.in_features for p in parts):
+                raise ValueError("cannot fuse GGUF blocks with other formats")
+            tables, offset = [], 0
+            for p in parts:
+                tables.append(p.scales + torch.tensor([0, 0, offset]))
+                offset += p.data.numel()
+            return PackedWeight("gguf", torch.cat([p.data for p in parts]), torch.cat(tables), None,
+                                min(p.group_size for p in parts), p0.in_features)
         if any((p.format, p.group_size, p.in_features) != (p0.format, p0.group_size, p0.in_features) for p in parts):
             raise ValueError("cannot fuse quantized weights with different formats or group sizes")
         has_off = [p.offsets is not None for p in parts]
@@ -316,6 +363,10 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
     # Each layout's own predicate decides (a group of 16 takes the panels, not the row-major kernel).
     if pw.layout != "rows" or pw.data.device.type != "cpu" or not kernel_available():
         return pw
+    if pw.format == "gguf":
+        width = vpanel_width()
+        fits = all(rows % width == 0 for _, rows, _ in gguf_blocks.segments(pw.scales))
+        return pw.vpanels(width) if fits and act_dtype in (torch.bfloat16, torch.float32) else pw
     if int4_activations == "int8" and pw.format == "int4":
         if pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size):
             return pw.interleave8()
@@ -333,6 +384,8 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
 
 def cpp_supported(pw: PackedWeight) -> bool:
     k, g = pw.in_features, pw.group_size
+    if pw.format == "gguf":
+        return pw.layout == "vpanels" and pw.data.device.type == "cpu" and kernel_available()
     if pw.layout == "panels16":
         return pw.data.device.type == "cpu" and kernel_available() and torch.ops.pagoda.quant_panels_supported(k, g)
     if pw.layout == "rows_a8":
@@ -353,7 +406,10 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
     if use_cpp and x.shape[0] > 0 and x.device.type == "cpu":
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
         b = None if bias is None else bias.float().contiguous()
-        if pw.layout == "vpanels":
+        if pw.format == "gguf":
+            if x.dtype in (torch.bfloat16, torch.float32):
+                return torch.ops.pagoda.gguf_vpanel_linear(x.contiguous(), pw.data, pw.scales, b)
+        elif pw.layout == "vpanels":
             return torch.ops.pagoda.quant_vpanel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets, b,
                                                         pw.group_size, pw.code - FIRST_VPANEL_CODE)
         if pw.layout != "panels16":
@@ -368,7 +424,7 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
 def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, use_cpp: bool = False) -> torch.Tensor:
     """Dequantize to x's dtype (the C++ kernel where `use_cpp` and the build has it, else PackedWeight.dequantize,
     the reference) and multiply: the torch fallback."""
-    if use_cpp and pw.layout not in ("panels16", "vpanels") and x.device.type == "cpu" \
+    if use_cpp and pw.format != "gguf" and pw.layout not in ("panels16", "vpanels") and x.device.type == "cpu" \
             and x.dtype in (torch.float32, torch.bfloat16):
         w = torch.ops.pagoda.quant_dequantize(pw.data, pw.scales, pw.offsets, pw.code, pw.group_size,
                                               pw.in_features, x.dtype)

@@ -16,7 +16,7 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = pw.out_features, pw.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.pw.rows(ids.reshape(-1)).dequantize(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self.pw.dequantize_rows(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         pw = self.pw

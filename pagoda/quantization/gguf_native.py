@@ -20,6 +20,10 @@ offsets); the kernels then compute on exactly gguf-py's dequantized weights (tes
   IQ4_XS  256: 8 x 6-bit sc, IQ4_NL's table    w = d (sc - 32) t[q]     INT8
   MXFP4   E8M0 exponent, 4-bit e2m1 (doubled)  w = 2^(e-128) t[q]       INT8
 Other types (the IQ1/IQ2/IQ3 codebooks, ternary) and the float tensors (norms) are dequantized to float.
+
+Q4_K, Q5_K, Q6_K and Q5_0 are kept in their blocks' own bits instead (format "gguf", kernels/gguf_blocks.py, which
+also splits their blocks for the decoders here) wherever the C++ kernels are built and the matrix has whole panels
+of rows: the table above is their form where they are not.
 """
 from __future__ import annotations
 
@@ -34,8 +38,9 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import IQ4_NL as _IQ4_NL
 from gguf.quants import MXFP4 as _MXFP4
-from gguf.quants import Q4_K as _Q4_K
 
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.gguf_blocks import GGUF_BLOCKS, MAX_PANEL, segment_table
 from pagoda.kernels.quant_linear import PackedWeight
 from pagoda.model.errors import warn_nonfinite
 from pagoda.model.gguf_loader import IGNORED_TENSORS, GGUFFile, gguf_to_hf_name, stored_offset, unpermute_qk
@@ -80,9 +85,13 @@ def _q4_1(b: np.ndarray) -> Decoded:
     return _nibbles(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4])
 
 
+def _half(u16: np.ndarray) -> np.ndarray:
+    return u16.view(np.float16).astype(np.float32)
+
+
 def _q5_0(b: np.ndarray) -> Decoded:
-    q = _nibbles(b[:, 6:22]) | (_bits(b[:, 2:6], 32) << 4)
-    return q.astype(np.int8) - 16, _f16(b[:, 0:2]), None
+    q, (d,) = GGUF_BLOCKS[int(T.Q5_0)].split(b)
+    return q.astype(np.int8) - 16, _half(d), None
 
 
 def _q5_1(b: np.ndarray) -> Decoded:
@@ -112,29 +121,25 @@ def _q3_k(b: np.ndarray) -> Decoded:
     return (low.reshape(-1, 256) + 4 * high.reshape(-1, 256)), scales, -4.0 * scales
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _k_scales(fields: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K: per 32-weight sub-block, scale d * sc and offset -dmin * m."""
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, m = _Q4_K.get_scale_min(b[:, 4:16].copy())
-    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    d, dmin, sc, m = fields
+    return _half(d) * sc.astype(np.float32), -(_half(dmin) * m.astype(np.float32))
 
 
 def _q4_k(b: np.ndarray) -> Decoded:
-    q = (b[:, 16:144].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF
-    return (q.reshape(-1, 256), *_k_scales(b))
+    q, fields = GGUF_BLOCKS[int(T.Q4_K)].split(b)
+    return (q, *_k_scales(fields))
 
 
 def _q5_k(b: np.ndarray) -> Decoded:
-    low = (b[:, 48:176].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF
-    high = (b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-    return ((low.reshape(-1, 256) | (high.reshape(-1, 256) << 4)).astype(np.int8), *_k_scales(b))
+    q, fields = GGUF_BLOCKS[int(T.Q5_K)].split(b)
+    return (q.astype(np.int8), *_k_scales(fields))
 
 
 def _q6_k(b: np.ndarray) -> Decoded:
-    ql, qh, sc, d = b[:, 0:128], b[:, 128:192], b[:, 192:208].copy().view(np.int8), _f16(b[:, 208:210])
-    low = ((ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(-1, 256)
-    high = ((qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
-    return (low | (high.reshape(-1, 256) << 4)).astype(np.int8) - 32, d * sc.astype(np.float32), None
+    q, (d, sc) = GGUF_BLOCKS[int(T.Q6_K)].split(b)
+    return q.astype(np.int8) - 32, _half(d) * sc.view(np.int8).astype(np.float32), None
 
 
 _IQ4_TABLE = np.array(_IQ4_NL.kvalues, dtype=np.int8)
@@ -175,6 +180,20 @@ BLOCK_TYPES: dict[int, BlockType] = {
     int(T.MXFP4): BlockType("int8", 32, _mxfp4),
 }
 NATIVE = frozenset(BLOCK_TYPES)
+# Kept in their blocks' bits (stored_weight), where the kernels run them. A Q8_0 matrix alone keeps its INT8 codes
+# (the bf16 panel kernel's); fused beside GGUF blocks it joins them as the Q8_0 blocks it is (PackedWeight.cat).
+STORED = frozenset(GGUF_BLOCKS) - {Q8_0}
+
+
+def keeps_blocks(qtype: int, rows: int) -> bool:
+    """Whether a matrix of `qtype` with `rows` output rows is kept in its blocks' bits (else packed_from_blocks)."""
+    return qtype in STORED and rows % MAX_PANEL == 0 and kernel_available()
+
+
+def stored_weight(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
+    """raw: uint8 [N, K / block * type_size] as stored -> a "gguf" PackedWeight holding exactly those bytes."""
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(-1)
+    return PackedWeight("gguf", data, segment_table([(qtype, raw.shape[0], 0)]), None, GGUF_BLOCKS[qtype].group, k)
 
 
 def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
@@ -193,9 +212,11 @@ def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
                         kind.group, k)
 
 
-def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+def gguf_native_weights(files: ModelFiles, dtype: torch.dtype,
+                        keep_blocks: bool = True) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """The GGUF as a weight stream: the matrices of the types of BLOCK_TYPES (the embedding table included) as
-    PackedWeights of their codes, everything else dequantized to `dtype`. Logs the bytes by type."""
+    PackedWeights, in their blocks' bits where `keep_blocks` and keeps_blocks() allow, else of their codes; everything
+    else dequantized to `dtype`. Logs the bytes by type."""
     g: GGUFFile = files._gguf
     cfg = files.hf_config
     heads = int(cfg["num_attention_heads"])
@@ -218,7 +239,10 @@ def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple
                 yield expert, w
             continue
         if info.qtype in NATIVE and len(info.dims) == 2 and hf.endswith(".weight"):
-            pw = packed_from_blocks(g.raw_tensor(name), info.qtype, info.dims[0])
+            raw = g.raw_tensor(name)
+            pw = stored_weight(raw, info.qtype, info.dims[0]) \
+                if keep_blocks and keeps_blocks(info.qtype, raw.shape[0]) else \
+                packed_from_blocks(raw, info.qtype, info.dims[0])
             if permute and n_head:
                 pw = pw.rows(torch.from_numpy(unpermute_qk(np.arange(pw.out_features), n_head)))
             resident[kind] += pw.nbytes
@@ -234,8 +258,9 @@ def gguf_native_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple
         warn_nonfinite(t, hf, g.path)
         resident[kind] += t.numel() * t.element_size()
         yield hf, t
-    logger.info("%s weights by type, in the file -> loaded (%s as stored, the rest as %s): %s", g.path,
-                "/".join(T(q).name for q in sorted(NATIVE)), dtype,
+    logger.info("%s weights by type, in the file -> loaded (%s in their blocks' bits where the kernels run them, %s "
+                "as codes and scales, the rest as %s): %s", g.path, "/".join(T(q).name for q in sorted(STORED)),
+                "/".join(T(q).name for q in sorted(NATIVE - STORED)), dtype,
                 ", ".join(f"{k} {stored[k] / 2**20:.1f} -> {resident[k] / 2**20:.1f} MiB" for k in sorted(stored)))
 
 

@@ -51,7 +51,9 @@ def load_plan(files: ModelFiles, dtype: torch.dtype, method: str | None, group_s
     if method == "int4" and files.kind == "gguf":
         from pagoda.quantization.gguf_native import gguf_native_weights
 
-        return LoadPlan(_int4_keeping_the_grid(gguf_native_weights(files, torch.float32), group_size, is_linear),
+        # codes and scales (keep_blocks=False): a Q4_K's INT4 codes are that grid
+        return LoadPlan(_int4_keeping_the_grid(gguf_native_weights(files, torch.float32, keep_blocks=False),
+                                               group_size, is_linear),
                         torch.float32, _head(method, group_size))
     if files.kind == "gguf":
         # A quantized GGUF (the default model) is re-quantized from its dequantized float values: the

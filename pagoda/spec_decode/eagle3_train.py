@@ -229,7 +229,7 @@ def _target_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
     if getattr(lm, "weight", None) is not None:
         return lm.weight[ids].float()
     if getattr(lm, "qweight", None) is not None:
-        return lm.qweight.rows(ids).dequantize(torch.float32)
+        return lm.qweight.dequantize_rows(ids, torch.float32)
     return None
 
 

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "gguf_blocks.h"
 #include "int4x8_i8.h"
 #include "quant_decode.h"
 #include "simd.h"
@@ -25,15 +26,19 @@ uint32_t bits(float f) {
   return u;
 }
 
-void expect(const char* what, const float* got, const float* want, int n) {
+bool expect_quiet(const char* what, const float* got, const float* want, int n) {
   for (int i = 0; i < n; ++i)
     if (bits(got[i]) != bits(want[i])) {
       std::printf("FAIL %s lane %d: %.9g (%08x), want %.9g (%08x)\n", what, i, got[i], bits(got[i]), want[i],
                   bits(want[i]));
       ++failures;
-      return;
+      return false;
     }
-  std::printf("ok %s\n", what);
+  return true;
+}
+
+void expect(const char* what, const float* got, const float* want, int n) {
+  if (expect_quiet(what, got, want, n)) std::printf("ok %s\n", what);
 }
 
 // e4m3fn's value by its definition (codes 0x7F and 0xFF, NaN, are not used below).
@@ -165,6 +170,69 @@ void check_half() {
   expect("fp16 load", got, want, 4 * W);
 }
 
+float half_value(uint16_t h) {  // finite fp16 only
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -24) : std::ldexp(1.f + m / 1024.f, e - 15);
+  return h & 0x8000 ? -mag : mag;
+}
+
+// A GGUF type's block decoder (gguf_blocks.h) against its layout, read byte by byte: two super-block panels of random
+// bytes (finite fp16 fields), every k's codes and every group's scales and offsets.
+template <int64_t T>
+void check_gguf(const char* name, uint32_t& state) {
+  using B = pagoda_gguf::Blocks<T>;
+  using Tr = typename B::Tr;
+  constexpr int P = 2 * W, K = 2 * Tr::kBlock, fields = Tr::kMin ? 2 : 1;
+  static uint8_t data[2 * B::kBytes];
+  for (uint8_t& c : data) {
+    state = state * 1664525u + 1013904223u;
+    c = static_cast<uint8_t>(state >> 24);
+  }
+  for (int sb = 0; sb < 2; ++sb)
+    for (int i = 0; i < fields * P; ++i) data[sb * B::kBytes + 2 * i + 1] &= 0xBB;  // exponents below 31
+  const B src(data, K);
+  float got[2 * W], want[2 * W];
+  for (int k = 0; k < K; ++k) {
+    const uint8_t* b = data + (k / Tr::kBlock) * B::kBytes + B::kMeta;
+    const int kk = k % Tr::kBlock;
+    vf lo, hi;
+    src.load(0, k, lo, hi);
+    vstore(got, lo);
+    vstore(got + W, hi);
+    for (int c = 0; c < P && B::kWholeBytes; ++c) want[c] = static_cast<int8_t>(b[kk * P + c]);
+    for (int c = 0; c < P && !B::kWholeBytes; ++c) {
+      const uint8_t byte = b[kk * W + c % W];
+      int q = c < W ? byte & 0xF : byte >> 4;
+      for (int i = 0; i < Tr::kHigh; ++i) {
+        const int bit = c * Tr::kHigh + i;
+        q |= ((b[Tr::kBlock * W + kk * B::kHighBytes + bit / 8] >> (bit % 8)) & 1) << (4 + i);
+      }
+      want[c] = static_cast<float>(q - Tr::kBias);
+    }
+    expect_quiet(name, got, want, P);
+  }
+  for (int g = 0; g < K / Tr::kGroup; ++g) {
+    const uint8_t* b = data + (g / B::kGroups) * B::kBytes;
+    const int j = g % B::kGroups;
+    const auto grp = src.group(0, g);
+    float gs[2 * W], go[2 * W], ws[2 * W], wo[2 * W];
+    vstore(gs, grp.s0);
+    vstore(gs + W, grp.s1);
+    vstore(go, grp.o0);
+    vstore(go + W, grp.o1);
+    for (int c = 0; c < P; ++c) {
+      auto u16 = [&](int at) { uint16_t h; std::memcpy(&h, b + at, 2); return h; };
+      const uint8_t* sc = b + 2 * P * fields + j * P;
+      const float sub = !Tr::kSubScales ? 1.f : Tr::kSignedScales ? static_cast<int8_t>(sc[c]) : sc[c];
+      ws[c] = half_value(u16(2 * c)) * sub;
+      wo[c] = Tr::kMin ? -(half_value(u16(2 * P + 2 * c)) * b[4 * P + B::kGroups * P + j * P + c]) : 0.f;
+    }
+    expect_quiet(name, gs, ws, P);
+    expect_quiet(name, go, wo, P);
+  }
+  if (!failures) std::printf("ok %s block decoder\n", name);
+}
+
 #if defined(PAGODA_INT4X8_I8)
 // The INT4 x INT8-activation kernel (int4x8_i8.h) against its definition: per output, one chain over the 32-column
 // halves in k order of fma(integer sum of code * xq, s * a), then fma(offset, group sum of x) per group, plus the
@@ -255,6 +323,11 @@ int main() {
   check_transpose();
   check_bf16_and_exp(x);
   check_half();
+  check_gguf<pagoda_gguf::kQ4_K>("Q4_K", state);
+  check_gguf<pagoda_gguf::kQ5_K>("Q5_K", state);
+  check_gguf<pagoda_gguf::kQ6_K>("Q6_K", state);
+  check_gguf<pagoda_gguf::kQ5_0>("Q5_0", state);
+  check_gguf<pagoda_gguf::kQ8_0>("Q8_0", state);
 #if defined(PAGODA_INT4X8_I8)
   check_int4x8<1, 2>(state);
   check_int4x8<3, 1>(state);

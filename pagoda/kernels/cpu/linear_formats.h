@@ -2,7 +2,7 @@
 // (pagoda/kernels/linear_formats.py reads this enum at import, so a new format is added here only).
 // format_linear (linear_formats.cpp) dispatches on it for the decoder stack and the MoE experts;
 // quant_linear.cpp takes kInt4..kInt4a8; quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p),
-// quant_vpanel_linear.cpp kInt4v..kFp8v (format - kInt4v).
+// quant_vpanel_linear.cpp kInt4v..kFp8v (format - kInt4v), and kGgufV as gguf_vpanel_linear.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +23,8 @@ enum LinearFormat : int64_t {
   kInt4v = 8,    // INT4 in portable panels of 2W columns (simd.h's W: the build's vector width)
   kInt8v = 9,    // INT8 in portable panels
   kFp8v = 10,    // FP8 in portable panels
+  kGguf = 11,    // GGUF super-blocks as stored, row-major (no kernel reads them: prepared as kGgufV)
+  kGgufV = 12,   // GGUF super-blocks (Q4_K, Q5_K, Q6_K, Q5_0) in portable panels (gguf_blocks.h)
 };
 
 }  // namespace pagoda_cpu

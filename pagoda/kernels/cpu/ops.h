@@ -49,6 +49,11 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x, const at::Tensor& codes, con
                                const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                                int64_t group_size, int64_t kind);
 
+// A GGUF weight's super-blocks in portable panels: data uint8, table int64 [segments, 3] of (GGML type, rows,
+// byte offset) (quant_vpanel_linear.cpp, gguf_blocks.h)
+at::Tensor gguf_vpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& table,
+                              const c10::optional<at::Tensor>& bias);
+
 // One linear whose weight is held in format `fmt` (linear_formats.h: kDense the weight, kPanels its panels, else the
 // codes with their scales and offsets), through that format's few-row kernel (linear_formats.cpp).
 at::Tensor format_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,

@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "dispatch_rows.h"
+#include "gguf_blocks.h"
 #include "linear_formats.h"
 #include "ops.h"
 #include "quant_decode.h"
@@ -65,6 +66,11 @@ struct Codes {
   const S* scales;
   const S* offsets;  // or null
   int64_t K, G, gs;
+
+  bool has_offsets() const { return offsets != nullptr; }
+  inline void prefetch(int64_t p, int64_t k) const {
+    __builtin_prefetch(w + (p * K + k + 64) * bytes_per_k(F), 0, 3);
+  }
 
   static vf lanes(const float* p) { return vload(p); }
   static vf lanes(const uint16_t* p) { return pagoda_simd::vload_half(p); }
@@ -110,9 +116,8 @@ inline void store_row(vf a, vf b, const float* bias, O* yr, int64_t col0) {
 template <class Src, int M, int R, typename O>
 void stream(const Src& src, const float* x, const float* xs, const float* bias, O* y, int64_t ldy, int64_t p0,
             int64_t p1) {
-  constexpr int F = Src::kFormat;
   const int64_t K = src.K, G = src.G, gs = src.gs;
-  const bool offsets = src.offsets != nullptr;
+  const bool offsets = src.has_offsets();
   int64_t p = p0;
   for (; p + R <= p1; p += R) {
     vf acc[R][M][2];
@@ -125,7 +130,7 @@ void stream(const Src& src, const float* x, const float* xs, const float* bias, 
       for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
         vf lo[R], hi[R];
         for (int r = 0; r < R; ++r) {
-          __builtin_prefetch(src.w + ((p + r) * K + k + 64) * bytes_per_k(F), 0, 3);
+          src.prefetch(p + r, k);
           src.load(p + r, k, lo[r], hi[r]);
         }
         for (int m = 0; m < M; ++m) {
@@ -156,7 +161,7 @@ template <int M, class Src, typename O>
 void tile_rows(const Src& src, const float* tile, const float* x, const float* xs, const float* bias, O* y,
                int64_t ldy, int64_t p) {
   const int64_t K = src.K, G = src.G, gs = src.gs;
-  const bool offsets = src.offsets != nullptr;
+  const bool offsets = src.has_offsets();
   vf run_sums[M][2];
   for (int m = 0; m < M; ++m) run_sums[m][0] = run_sums[m][1] = vf{};
   for (int64_t g = 0; g < G; ++g) {
@@ -191,17 +196,19 @@ inline void dispatch_pass(int64_t m, Fn&& fn) {
   dispatch_m(m, fn);
 }
 
+// y[m, c] for the N columns of `src` (ldy apart, bias indexed from the first of them): the driver every format's
+// decoder plugs into (Codes above, gguf_blocks.h's Blocks).
 template <class Src, typename O>
-void run(const Src& src, const float* x, const float* bias, O* y, int64_t M, int64_t N) {
+void run(const Src& src, const float* x, const float* bias, O* y, int64_t M, int64_t N, int64_t ldy) {
   const int64_t panels = N / P, K = src.K, G = src.G, gs = src.gs;
-  const std::vector<float> xs = src.offsets ? pagoda_simd::group_sums(x, M, K, gs) : std::vector<float>();
+  const std::vector<float> xs = src.has_offsets() ? pagoda_simd::group_sums(x, M, K, gs) : std::vector<float>();
   if (M <= kStreamRows) {
     at::parallel_for(0, panels, 8, [&](int64_t p0, int64_t p1) {
       switch (M) {
-        case 1: stream<Src, 1, 2>(src, x, xs.data(), bias, y, N, p0, p1); break;
-        case 2: stream<Src, 2, 1>(src, x, xs.data(), bias, y, N, p0, p1); break;
-        case 3: stream<Src, 3, 1>(src, x, xs.data(), bias, y, N, p0, p1); break;
-        default: stream<Src, 4, 1>(src, x, xs.data(), bias, y, N, p0, p1); break;
+        case 1: stream<Src, 1, 2>(src, x, xs.data(), bias, y, ldy, p0, p1); break;
+        case 2: stream<Src, 2, 1>(src, x, xs.data(), bias, y, ldy, p0, p1); break;
+        case 3: stream<Src, 3, 1>(src, x, xs.data(), bias, y, ldy, p0, p1); break;
+        default: stream<Src, 4, 1>(src, x, xs.data(), bias, y, ldy, p0, p1); break;
       }
     });
     return;
@@ -217,8 +224,8 @@ void run(const Src& src, const float* x, const float* bias, O* y, int64_t M, int
       }
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
         dispatch_pass(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto c) {
-          tile_rows<decltype(c)::value>(src, tile.data(), x + m0 * K, xs.data() + (src.offsets ? m0 * G : 0), bias,
-                                        y + m0 * N, N, p);
+          tile_rows<decltype(c)::value>(src, tile.data(), x + m0 * K, xs.data() + (src.has_offsets() ? m0 * G : 0),
+                                        bias, y + m0 * ldy, ldy, p);
         });
     }
   });
@@ -268,7 +275,7 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x_in, const at::Tensor& codes, 
       constexpr int F = decltype(f)::value;
       auto with = [&](auto* s) {
         using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
-        run(Codes<F, S>{wp, s, static_cast<const S*>(op), K, G, group_size}, x.data_ptr<float>(), bp, yp, M, N);
+        run(Codes<F, S>{wp, s, static_cast<const S*>(op), K, G, group_size}, x.data_ptr<float>(), bp, yp, M, N, N);
       };
       if (half) with(static_cast<const uint16_t*>(sp));
       else with(static_cast<const float*>(sp));
@@ -279,13 +286,104 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x_in, const at::Tensor& codes, 
   return y;
 }
 
+// A GGUF weight's segments (gguf_blocks.h): table int64 [S, 3] of (GGML type, output rows, byte offset into data),
+// checked against the data's size; fn(Blocks<T>, first output row, rows) per segment.
+template <typename Fn>
+static void for_segments(const at::Tensor& data, const at::Tensor& table, int64_t K, Fn&& fn) {
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(), "gguf panels: data uint8 [bytes]");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 3 && table.is_contiguous(),
+              "gguf panels: table int64 [segments, 3]");
+  const auto* t = table.data_ptr<int64_t>();
+  const auto* base = data.data_ptr<uint8_t>();
+  int64_t row0 = 0;
+  for (int64_t s = 0; s < table.size(0); ++s) {
+    const int64_t type = t[3 * s], rows = t[3 * s + 1], offset = t[3 * s + 2];
+    const bool known = pagoda_gguf::dispatch_type(type, [&](auto c) {
+      using B = pagoda_gguf::Blocks<decltype(c)::value>;
+      TORCH_CHECK(K % B::Tr::kBlock == 0 && rows % P == 0, "gguf panels: segment ", s, " of GGML type ", type,
+                  " takes K a multiple of ", B::Tr::kBlock, " and rows of ", P, ", not K ", K, ", ", rows, " rows");
+      TORCH_CHECK(offset >= 0 && offset + rows / P * B::panel_bytes(K) <= data.numel(), "gguf panels: segment ", s,
+                  " runs past the data");
+      fn(B(base + offset, K), row0, rows);
+    });
+    TORCH_CHECK(known, "gguf panels: GGML type ", type, " is not in gguf_blocks.h's table");
+    row0 += rows;
+  }
+}
+
+// x: [M, K] fp32 or bf16 (widened); y: [M, N] in x's dtype, fp32 sums, each segment through the panel driver.
+at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, const at::Tensor& table,
+                              const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "gguf_vpanel_linear: x float32 or bfloat16 [M, K]");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  const int64_t N = table.size(0) ? table.select(1, 1).sum().item<int64_t>() : 0;
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "gguf_vpanel_linear: bias fp32 [N]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x_in.options());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  for_segments(data, table, K, [&](const auto& src, int64_t row0, int64_t rows) {
+    const float* b = bp ? bp + row0 : nullptr;
+    if (x_in.scalar_type() == at::kFloat) run(src, x.data_ptr<float>(), b, y.data_ptr<float>() + row0, M, rows, N);
+    else run(src, x.data_ptr<float>(), b, y.data_ptr<c10::BFloat16>() + row0, M, rows, N);
+  });
+  return y;
+}
+
+// The weights of output rows `index` as gguf-py dequantizes them, fp32 [R, K] (w = q * s + o, the product exact):
+// the embedding's lookups of a table shared with the head, and the reference.
+at::Tensor gguf_vpanel_rows(const at::Tensor& data, const at::Tensor& table, const at::Tensor& index, int64_t K) {
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "gguf_vpanel_rows: index int64 [R]");
+  const at::Tensor idx = index.contiguous();
+  const int64_t R = idx.size(0);
+  auto out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+  std::vector<uint8_t> done(R, 0);
+  for_segments(data, table, K, [&](const auto& src, int64_t row0, int64_t rows) {
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+      float lo[W], hi[W], s[P], o[P];
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t n = idx.data_ptr<int64_t>()[r] - row0;
+        if (n < 0 || n >= rows) continue;
+        done[r] = 1;
+        const int64_t p = n / P, c = n % P;
+        float* row = out.data_ptr<float>() + r * K;
+        for (int64_t g = 0; g < src.G; ++g) {
+          const auto grp = src.group(p, g);
+          vstore(s, grp.s0);
+          vstore(s + W, grp.s1);
+          vstore(o, grp.o0);
+          vstore(o + W, grp.o1);
+          for (int64_t k = g * src.gs; k < (g + 1) * src.gs; ++k) {
+            vf a, b;
+            src.load(p, k, a, b);
+            vstore(lo, a);
+            vstore(hi, b);
+            row[k] = __builtin_fmaf(c < W ? lo[c] : hi[c - W], s[c], o[c]);
+          }
+        }
+      }
+    });
+  });
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(done[r], "gguf_vpanel_rows: row ", idx.data_ptr<int64_t>()[r],
+                                              " is out of range");
+  return out;
+}
+
 }  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("gguf_vpanel_linear(Tensor x, Tensor data, Tensor table, Tensor? bias) -> Tensor");
+  m.def("gguf_vpanel_rows(Tensor data, Tensor table, Tensor index, int K) -> Tensor");
   m.def("quant_vpanel_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
         "int kind=0) -> Tensor");
   m.def("quant_vpanels_supported(int K, int group_size) -> bool", &quant_vpanels_supported);  // no tensors
   m.def("vpanel_width() -> int", &vpanel_width);
 }
 
-TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("quant_vpanel_linear", &pagoda_cpu::quant_vpanel_linear); }
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("quant_vpanel_linear", &pagoda_cpu::quant_vpanel_linear);
+  m.impl("gguf_vpanel_linear", &pagoda_cpu::gguf_vpanel_linear);
+  m.impl("gguf_vpanel_rows", &pagoda_cpu::gguf_vpanel_rows);
+}

@@ -1,0 +1,197 @@
+"""GGUF's block formats held as stored (PackedWeight format "gguf"): one table row per GGML type says how its
+blocks split into codes and fields; one packer regroups any row's blocks into the portable panels the C++ kernel reads
+(cpu/gguf_blocks.h, whose Traits mirror this table), with the same bits and no others.
+
+A "gguf" weight is a list of segments, each of one GGML type (a fused q|k|v may hold Q4_K and Q6_K parts): `data`
+uint8 [bytes] holds them one after another, `scales` is the segment table int64 [S, 3] of (GGML type, output rows,
+byte offset). Layout "rows": each segment's GGUF rows as the file stores them; "vpanels": per panel of P output
+columns and per super-block, the P columns' fields (d, dmin, sub-block scales, mins: each [count][P]), their low
+nibbles [block][P / 2] (byte j: column j low, j + P / 2 high) and the code bits above them [block][P * high / 8];
+8-bit codes (Q8_0) as signed bytes [block][P] instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import Q4_K as _Q4_K
+from gguf.quants import dequantize as _gguf_dequantize
+
+# raw blocks uint8 [B, type_size] -> (unsigned codes uint8 [B, block], fields [B, count] in the panel's order)
+Split = Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]]
+
+
+@dataclass(frozen=True)
+class GgufBlock:
+    block: int       # weights per super-block
+    group: int       # weights per sub-block scale
+    high_bits: int   # code bits above the low nibble (4: whole signed bytes)
+    split: Split
+
+
+def _u16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.uint16)
+
+
+def _nibble_pairs(qs: np.ndarray, runs: int, run: int) -> np.ndarray:
+    """K-quant nibble order: `runs` runs of `run` bytes, each the low nibbles of `run` weights then the high ones."""
+    q = (qs.reshape(-1, runs, 1, run) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF
+    return q.reshape(qs.shape[0], -1)
+
+
+def _bit_planes(packed: np.ndarray, rows: int, shift: int, width: int) -> np.ndarray:
+    """Fields of `width` bits: `rows` rows of bytes, field s of a byte at bit shift * s, weights row-major."""
+    shifts = np.arange(0, 8, shift, dtype=np.uint8).reshape(1, 1, -1, 1)
+    f = (packed.reshape(packed.shape[0], rows, 1, -1) >> shifts) & ((1 << width) - 1)
+    return f.reshape(packed.shape[0], -1)
+
+
+def _q4_k(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    sc, m = _Q4_K.get_scale_min(b[:, 4:16].copy())
+    return _nibble_pairs(b[:, 16:144], 4, 32), [_u16(b[:, 0:2]), _u16(b[:, 2:4]), sc, m]
+
+
+def _q5_k(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    sc, m = _Q4_K.get_scale_min(b[:, 4:16].copy())
+    high = _bit_planes(b[:, 16:48], 1, 1, 1)  # bit s of byte j: weight 32 s + j
+    return _nibble_pairs(b[:, 48:176], 4, 32) | (high << 4), [_u16(b[:, 0:2]), _u16(b[:, 2:4]), sc, m]
+
+
+def _q6_k(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    low = _nibble_pairs(b[:, 0:128], 2, 64)
+    high = _bit_planes(b[:, 128:192], 2, 2, 2)  # half h, bits 2 s of byte j: weight 128 h + 32 s + j
+    return low | (high << 4), [_u16(b[:, 208:210]), b[:, 192:208].copy()]
+
+
+def _q5_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    high = np.unpackbits(b[:, 2:6], axis=-1, bitorder="little")
+    return _nibble_pairs(b[:, 6:22], 1, 16) | (high << 4), [_u16(b[:, 0:2])]
+
+
+def _q8_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    return b[:, 2:34].copy(), [_u16(b[:, 0:2])]  # the int8 codes' bytes
+
+
+GGUF_BLOCKS: dict[int, GgufBlock] = {
+    int(T.Q4_K): GgufBlock(256, 32, 0, _q4_k),
+    int(T.Q5_K): GgufBlock(256, 32, 1, _q5_k),
+    int(T.Q6_K): GgufBlock(256, 16, 2, _q6_k),
+    int(T.Q5_0): GgufBlock(32, 32, 1, _q5_0),
+    int(T.Q8_0): GgufBlock(32, 32, 4, _q8_0),
+}
+MAX_PANEL = 32  # the widest build's panel (AVX-512: 2 x 16 lanes): segments of a multiple of it fit every build
+
+
+def segments(table: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(GGML type, rows, byte offset) per segment."""
+    return [(int(t), int(r), int(o)) for t, r, o in table.tolist()]
+
+
+def segment_table(parts: list[tuple[int, int, int]]) -> torch.Tensor:
+    return torch.tensor(parts, dtype=torch.int64).reshape(-1, 3)
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    block, size = GGML_QUANT_SIZES[T(qtype)]
+    return k // block * size
+
+
+def _rows_of(data: torch.Tensor, qtype: int, rows: int, offset: int, k: int) -> np.ndarray:
+    """One "rows" segment as the file stores it: uint8 [rows, bytes per row]."""
+    n = row_bytes(qtype, k)
+    return data[offset:offset + rows * n].numpy().reshape(rows, n)
+
+
+def dequantize_rows_layout(data: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
+    """Layout "rows": every segment through gguf-py's own dequantizer, fp32 [N, K] (the reference)."""
+    return torch.cat([torch.from_numpy(np.asarray(_gguf_dequantize(_rows_of(data, t, r, o, k), T(t)),
+                                                  dtype=np.float32)).reshape(r, k)
+                      for t, r, o in segments(table)])
+
+
+def take_rows(data: torch.Tensor, table: torch.Tensor, index: torch.Tensor,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layout "rows": output rows `index`, in its order, as one segment per run of rows of one type."""
+    segs = segments(table)
+    starts = np.cumsum([0] + [r for _, r, _ in segs])
+    idx = index.reshape(-1).numpy()
+    if idx.size and (idx.min() < 0 or idx.max() >= starts[-1]):
+        raise IndexError(f"row index out of range for {starts[-1]} rows")
+    which = np.searchsorted(starts, idx, side="right") - 1
+    chunks, parts, offset, i = [data[:0]], [], 0, 0
+    while i < idx.size:
+        j = i + 1
+        while j < idx.size and which[j] == which[i]:
+            j += 1
+        t, r, o = segs[which[i]]
+        rows = _rows_of(data, t, r, o, k)[idx[i:j] - starts[which[i]]]
+        chunks.append(torch.from_numpy(np.ascontiguousarray(rows)).reshape(-1))
+        parts.append((t, j - i, offset))
+        offset += rows.size
+        i = j
+    return torch.cat(chunks), segment_table(parts)
+
+
+def q8_0_from_codes(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """INT8 codes [N, K] with one scale per 32 that is an fp16 number (a Q8_0's codes and scales) as the Q8_0 rows
+    they came from, or None where a scale is not an fp16 number."""
+    half = scales.half()
+    if not torch.equal(half.float(), scales):
+        return None
+    n, k = codes.shape
+    data = torch.cat([half.view(torch.uint8).reshape(n, k // 32, 2), codes.view(torch.uint8).reshape(n, k // 32, 32)],
+                     dim=-1)
+    return data.reshape(-1), segment_table([(int(T.Q8_0), n, 0)])
+
+
+def take_columns(data: torch.Tensor, table: torch.Tensor, cols: range, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layout "rows": input columns `cols` of every row (whole super-blocks: a tensor-parallel split)."""
+    chunks, parts, offset = [], [], 0
+    for t, r, o in segments(table):
+        block, size = GGML_QUANT_SIZES[T(t)]
+        if cols.start % block or len(cols) % block:
+            raise ValueError(f"columns {cols.start}..{cols.stop} split a GGUF block of {block}")
+        rows = _rows_of(data, t, r, o, k).reshape(r, k // block, size)[:, cols.start // block:cols.stop // block]
+        chunks.append(torch.from_numpy(np.ascontiguousarray(rows)).reshape(-1))
+        parts.append((t, r, offset))
+        offset += rows.size
+    return torch.cat(chunks), segment_table(parts)
+
+
+def to_panels(data: torch.Tensor, table: torch.Tensor, k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layout "rows" -> "vpanels" of `width` output columns (the build's 2W), segment by segment."""
+    chunks, parts, offset = [], [], 0
+    for t, r, o in segments(table):
+        packed = _panels(_rows_of(data, t, r, o, k), t, k, width)
+        chunks.append(torch.from_numpy(packed))
+        parts.append((t, r, offset))
+        offset += packed.size
+    return torch.cat(chunks), segment_table(parts)
+
+
+def _panels(raw: np.ndarray, qtype: int, k: int, width: int) -> np.ndarray:
+    spec = GGUF_BLOCKS[qtype]
+    _, size = GGML_QUANT_SIZES[T(qtype)]
+    n, nsb, half = raw.shape[0], k // spec.block, width // 2
+    if n % width:
+        raise ValueError(f"{n} rows are not whole panels of {width}")
+    codes, fields = spec.split(raw.reshape(-1, size))
+
+    def columns_last(a: np.ndarray) -> np.ndarray:  # [N * nsb, c] -> [N / width, nsb, c, width]
+        return np.ascontiguousarray(a.reshape(n // width, width, nsb, -1).transpose(0, 2, 3, 1))
+
+    parts = [columns_last(f).view(np.uint8).reshape(n // width, nsb, -1) for f in fields]
+    q = columns_last(codes)                                                  # [N / width, nsb, block, width]
+    if spec.high_bits == 4:
+        return np.concatenate([*parts, q.reshape(n // width, nsb, -1)], axis=-1).reshape(-1)
+    low = q & 0xF
+    parts.append((low[..., :half] | (low[..., half:] << 4)).reshape(n // width, nsb, -1))
+    if spec.high_bits:
+        bits = (q[..., None] >> np.arange(4, 4 + spec.high_bits, dtype=np.uint8)) & 1
+        bits = bits.reshape(n // width, nsb, spec.block, width * spec.high_bits)
+        parts.append(np.packbits(bits, axis=-1, bitorder="little").reshape(n // width, nsb, -1))
+    return np.concatenate(parts, axis=-1).reshape(-1)

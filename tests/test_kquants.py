@@ -1,0 +1,220 @@
+"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0 and Q8_0 kept in their blocks' bits (format "gguf", kernels/gguf_blocks.py): the C++
+kernel computes gguf-py's dequantized weights times x at every row count, with the same bits for a row whatever the
+batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as stored, generating what its float copy does."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from pagoda.bench.quant_table import weight_bytes_by_format
+from pagoda.kernels import gguf_blocks
+from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linear
+from pagoda.quantization.gguf_native import stored_weight
+
+# Byte offsets of each K-quant's fp16 fields (d, dmin): random bytes there could be inf or NaN.
+FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0]
+ROWS = (1, 3, 17, 64)
+
+
+def random_blocks(qtype: T, rows: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
+    """Valid blocks of `qtype`, uint8 [rows, bytes]: gguf-py's quantizer where it has one (Q5_0, Q8_0), else random
+    bytes (every code and sub-block scale) with finite fp16 scales in [-scale, scale]."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q5_0, T.Q8_0):
+        return quantize(rng.standard_normal((rows, k)).astype(np.float32) * scale, qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        d = rng.uniform(-scale, scale, size=raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, qtype: T) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32)).reshape(raw.shape[0], -1)
+
+
+def prepared(raw: np.ndarray, qtype: T, k: int, act: torch.dtype = torch.float32) -> PackedWeight:
+    pw = kernel_layout(stored_weight(raw, int(qtype), k), act)
+    assert (pw.format, pw.layout) == ("gguf", "vpanels")
+    return pw
+
+
+def assert_sums_of(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float) -> None:
+    """got == x @ w^T up to fp32 summation: within rel x (|x| @ |w|^T), elementwise, of the float64 product."""
+    want = x.double() @ w.double().T
+    bound = rel * (x.double().abs() @ w.double().abs().T) + 1e-30
+    worst = ((got.double() - want).abs() / bound).max().item()
+    assert worst <= 1, f"off by {worst:.2f} x the bound"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_equals_gguf_py_weights_times_x_at_every_row_count(qtype: T) -> None:
+    n, k = 96, 512  # three panels of the widest build: an odd one after the pairs one-row decode takes
+    raw = random_blocks(qtype, n, k)
+    ref = reference(raw, qtype)
+    pw = prepared(raw, qtype, k)
+    torch.testing.assert_close(pw.dequantize(), ref, rtol=0, atol=0)  # the panels hold gguf-py's very weights
+    x = torch.randn(max(ROWS), k)
+    full = quant_linear(x, pw, None)
+    for m in ROWS:
+        got = quant_linear(x[:m], pw, None)
+        assert_sums_of(got, x[:m], ref, 1e-5)
+        assert torch.equal(got, full[:m])  # batch invariance: a row's bits do not depend on the rows beside it
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_activations_are_the_fp32_sums_rounded_once(qtype: T) -> None:
+    n, k = 64, 256 if qtype not in (T.Q5_0, T.Q8_0) else 96
+    raw = random_blocks(qtype, n, k, seed=1)
+    pw = prepared(raw, qtype, k, torch.bfloat16)
+    x = torch.randn(max(ROWS), k).bfloat16()
+    full = quant_linear(x, pw, None)
+    assert full.dtype == torch.bfloat16
+    for m in ROWS:
+        got = quant_linear(x[:m], pw, None)
+        assert torch.equal(got, quant_linear(x[:m].float(), pw, None).bfloat16())
+        assert torch.equal(got, full[:m])
+    assert_sums_of(full.float(), x.float(), reference(raw, qtype), 2 ** -8)
+
+
+def test_bias_and_a_fused_weight_of_two_types() -> None:
+    """q|k|v of Q4_K and Q6_K parts: one weight of two segments, each through its own decoder, bias added once."""
+    k = 256
+    a, b = random_blocks(T.Q4_K, 64, k, seed=2), random_blocks(T.Q6_K, 32, k, seed=3)
+    fused = PackedWeight.cat([stored_weight(a, int(T.Q4_K), k), stored_weight(b, int(T.Q6_K), k)])
+    ref = torch.cat([reference(a, T.Q4_K), reference(b, T.Q6_K)])
+    torch.testing.assert_close(fused.dequantize(), ref, rtol=0, atol=0)
+    pw = kernel_layout(fused, torch.float32)
+    bias = torch.randn(96)
+    x = torch.randn(5, k)
+    assert_sums_of(quant_linear(x, pw, bias) - bias, x, ref, 2e-5)
+    rows = torch.tensor([95, 0, 70, 3, 64])  # an embedding's lookups, across the segments, from both layouts
+    torch.testing.assert_close(pw.dequantize_rows(rows), ref[rows], rtol=0, atol=0)
+    torch.testing.assert_close(fused.dequantize_rows(rows), ref[rows], rtol=0, atol=0)
+
+
+def test_q8_0_codes_fuse_with_gguf_blocks_as_the_q8_0_blocks_they_are() -> None:
+    """v in Q8_0 beside q, k in Q5_0 (a Q4_K_M file whose widths the K-quants cannot take): Q8_0 alone loads as INT8
+    codes, and fused with GGUF blocks it becomes one more segment, with the same weights."""
+    from pagoda.quantization.gguf_native import packed_from_blocks
+
+    k = 64
+    a, b = random_blocks(T.Q5_0, 64, k, seed=4), random_blocks(T.Q8_0, 32, k, seed=5)
+    int8 = packed_from_blocks(b, int(T.Q8_0), k)
+    assert int8.format == "int8"
+    fused = PackedWeight.cat([stored_weight(a, int(T.Q5_0), k), int8])
+    assert [t for t, _, _ in gguf_blocks.segments(fused.scales)] == [int(T.Q5_0), int(T.Q8_0)]
+    ref = torch.cat([reference(a, T.Q5_0), reference(b, T.Q8_0)])
+    torch.testing.assert_close(fused.dequantize(), ref, rtol=0, atol=0)
+    x = torch.randn(3, k)
+    assert_sums_of(quant_linear(x, kernel_layout(fused, torch.float32), None), x, ref, 1e-5)
+
+
+def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks above fail for a split whose sub-block scales are off by one place."""
+    right = gguf_blocks.GGUF_BLOCKS[int(T.Q4_K)]
+
+    def shifted(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        codes, (d, dmin, sc, m) = right.split(b)
+        return codes, [d, dmin, np.roll(sc, 1, axis=-1), m]
+
+    monkeypatch.setitem(gguf_blocks.GGUF_BLOCKS, int(T.Q4_K),
+                        gguf_blocks.GgufBlock(right.block, right.group, right.high_bits, shifted))
+    raw = random_blocks(T.Q4_K, 32, 256)
+    pw = prepared(raw, T.Q4_K, 256)
+    assert not torch.equal(pw.dequantize(), reference(raw, T.Q4_K))
+    x = torch.randn(1, 256)
+    with pytest.raises(AssertionError):
+        assert_sums_of(quant_linear(x, pw, None), x, reference(raw, T.Q4_K), 1e-5)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_panels_hold_the_files_bytes(qtype: T) -> None:
+    """Resident bytes: the panels regroup the blocks (Q4_K/Q5_K spend a byte on each 6-bit scale and min)."""
+    raw = random_blocks(qtype, 64, 512)
+    assert prepared(raw, qtype, 512).data.numel() <= 1.03 * raw.nbytes
+
+
+# ---- a tiny Llama GGUF of K-quant tensors ------------------------------------------------------------------
+CFG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-5)
+PROMPTS = [[5, 17, 99, 3, 250], list(range(10, 47)), [7], list(range(100, 300, 3))]
+
+
+def _write_kquant_llama(path: Path) -> Path:
+    """Q4_K for most matrices, Q6_K for v, down and the head (as Q4_K_M mixes them), F32 norms."""
+    import gguf
+    from tiny_models import add_gguf_hparams, finish_gguf
+
+    h, f, v, kv = CFG["hidden_size"], CFG["intermediate_size"], CFG["vocab_size"], 128
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_gguf_hparams(w, CFG)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(v)
+    seed = iter(range(100))
+
+    def blocks(name: str, qtype: T, rows: int, cols: int) -> None:
+        scale = 4e-5 if qtype == T.Q6_K else 1.5e-3
+        raw = random_blocks(qtype, rows, cols, seed=next(seed), scale=scale)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+
+    rng = np.random.default_rng(7)
+    blocks("token_embd.weight", T.Q4_K, v, h)
+    blocks("output.weight", T.Q6_K, v, h)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    for i in range(CFG["num_hidden_layers"]):
+        for name, qtype, rows, cols in [("attn_q", T.Q4_K, h, h), ("attn_k", T.Q4_K, kv, h), ("attn_v", T.Q6_K, kv, h),
+                                        ("attn_output", T.Q4_K, h, h), ("ffn_gate", T.Q4_K, f, h),
+                                        ("ffn_up", T.Q4_K, f, h), ("ffn_down", T.Q6_K, h, f)]:
+            blocks(f"blk.{i}.{name}.weight", qtype, rows, cols)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    finish_gguf(w)
+    return path
+
+
+def test_a_kquant_gguf_runs_as_stored_and_generates_what_its_float_copy_does(tmp_path, default_gguf) -> None:
+    from pagoda import LLM, SamplingParams
+
+    path = str(_write_kquant_llama(tmp_path / "tiny-kquants.gguf"))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    stored = LLM(path, tokenizer=default_gguf, quantization="gguf", dtype="float32", kv_cache_memory="16MiB")
+    model = stored.engine.runner.model
+    layer = model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                   model.lm_head):
+        assert (linear.qweight.format, linear.qweight.layout) == ("gguf", "vpanels")
+    types = {t for t, _, _ in gguf_blocks.segments(layer.self_attn.qkv_proj.qweight.scales)}
+    assert types == {int(T.Q4_K), int(T.Q6_K)}  # q, k in Q4_K beside v in Q6_K, one fused weight
+    assert model.embed_tokens.pw.format == "gguf"
+    held = weight_bytes_by_format(model)  # what `pagoda bench quant` prints
+    assert held["Q4_K"] > 0 and held["Q6_K"] > 0 and "float32" in held  # the norms
+    assert sum(held.values()) <= 1.05 * Path(path).stat().st_size
+    got = greedy(stored)
+    del stored
+    want = greedy(LLM(path, tokenizer=default_gguf, dtype="float32", kv_cache_memory="16MiB"))  # dequantized
+    assert got == want
+
+
+def test_tensor_parallel_splits_whole_super_blocks() -> None:
+    from pagoda.distributed.tensor_parallel import _take_columns
+
+    k = 512
+    raw = random_blocks(T.Q6_K, 32, k)
+    part = _take_columns(stored_weight(raw, int(T.Q6_K), k), range(256, 512), "down_proj")
+    assert (part.format, part.in_features) == ("gguf", 256)
+    torch.testing.assert_close(part.dequantize(), reference(raw, T.Q6_K)[:, 256:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="split a GGUF block"):
+        _take_columns(stored_weight(raw, int(T.Q6_K), k), range(128, 384), "down_proj")
