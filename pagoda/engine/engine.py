@@ -33,7 +33,6 @@ from pagoda.model.loader import resolve_model_files
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.speculator import Speculator
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
@@ -109,8 +108,7 @@ class LLMEngine:
         self.stats = StepStats()
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
-            self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self.runner,
-                                         self.kv, self.tokenizer)
+            self.speculator = Speculator(config.speculative_config, self.runner, self.kv, self.tokenizer)
         logger.info("KV pool: %d blocks of %d tokens (%.0f MiB; %d wanted for %d seqs x %d tokens), dtype %s, "
                     "kv_cache_dtype %s", num_blocks, config.cache.block_size,
                     num_blocks * self.runner.kv_bytes_per_block() / 2**20, blocks_wanted, sched_cfg.max_num_seqs,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.config import SpeculativeConfig
 from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
@@ -30,7 +31,6 @@ from pagoda.layers.sampler import SamplerOutput, SamplingBatch, sampler_output
 from pagoda.model.tokenizer import Tokenizer
 from pagoda.spec_decode import rejection
 from pagoda.spec_decode.adaptive import AdaptivePolicy, StepCostModel
-from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.draft import ModelDraftProposer
 from pagoda.spec_decode.eagle3 import Eagle3Proposer
 from pagoda.spec_decode.ngram import NgramProposer
