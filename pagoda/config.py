@@ -32,11 +32,6 @@ def parse_memory(value: int | float | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def cache_dir() -> str:
-    """Root of pagoda's on-disk cache (PAGODA_CACHE_DIR overrides ~/.cache/pagoda)."""
-    return os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-
-
 def server_api_key(flag: str | None) -> str | None:
     """The server's API key: --api-key, else PAGODA_API_KEY (a secret kept out of the process list)."""
     return flag or os.environ.get("PAGODA_API_KEY") or None
