@@ -25,7 +25,7 @@ from pagoda.bench.datasets import (
     seed_from_args,
     synthetic_chat_requests,
 )
-from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
+from pagoda.entrypoints.engine_args import add_engine_args, engine_kwargs
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
