@@ -174,6 +174,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.adaptive must be true or false")
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
 @dataclass
 class StructuredOutputsConfig:
     backend: str = "auto"  # grammar library: auto (xgrammar, else llguidance), xgrammar, guidance
@@ -188,10 +191,8 @@ class StructuredOutputsConfig:
     cache_memory: int | str = "1GiB"       # compiled grammars kept for reuse, least recently used evicted first
 
     def validate(self) -> None:
-        from pagoda.structured.manager import BACKENDS
-
-        if self.backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                              f"got {self.backend!r}")
         if not isinstance(self.compile_workers, int) or self.compile_workers < 0:
             raise ValueError("structured_outputs_compile_workers must be a non-negative integer")

@@ -230,7 +230,9 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                         holdout=args.holdout, batch_size=args.batch_size, lr=args.lr,
                         checkpoint_every=args.checkpoint_every, eval_k=args.eval_k, seed=args.seed or 0,
                         engine=engine_kwargs(args))
-    report = train(opts)
+    from pagoda.entrypoints.llm import LLM
+
+    report = train(opts, LLM)
     print(summary(report))
     print(f"wrote {args.output} (train_report.json beside the head)")
     return 0
