@@ -401,12 +401,10 @@ class LLMEngine:
         # valid KV: the scheduler rolls it back.
         rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in spec_rows}
         self.scheduler.update(sched, rejected)
-        if self.speculator is not None:
-            self.speculator.settle(sched, rejected, verified, appended, out.aux_hidden)
         self.stats.num_scheduled_tokens += sched.total_tokens
         self.stats.num_generated_tokens += num_generated
         if self.speculator is not None:
-            self.speculator.observe_step(sched.total_tokens, t_fwd, time.perf_counter() - t_step)
+            self.speculator.settle(sched, rejected, verified, appended, out.aux_hidden, t_fwd, t_step)
         results = []
         for req in touched.values():
             output = self._guarded(req, touched, self.outputs.make_output, req)
