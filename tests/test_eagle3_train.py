@@ -133,12 +133,13 @@ def _options(model: Path, corpus: Path, out: Path, **kw):
 
 
 def test_training_writes_the_head_and_resumes_from_its_last_checkpoint(looping_target: Path, tmp_path: Path) -> None:
+    from pagoda import LLM
     from pagoda.kernels.policy import KernelPolicy
     from pagoda.model.args import ModelArgs
     from pagoda.spec_decode.eagle3_train import checkpoint_state, train
 
     corpus, out = _corpus(tmp_path / "corpus.txt", 20), tmp_path / "out"
-    first = train(_options(looping_target, corpus, out, max_steps=5, checkpoint_every=2))
+    first = train(_options(looping_target, corpus, out, max_steps=5, checkpoint_every=2), LLM)
     assert first["steps"] == 5 and first["resumed_from_step"] == 0
     assert first["holdout_sequences"] == 4 and first["acceptance"]["anchors"] > 0
     for name in ("config.json", WEIGHTS_FILE, "train_report.json", "checkpoint/head.safetensors",
@@ -147,7 +148,7 @@ def test_training_writes_the_head_and_resumes_from_its_last_checkpoint(looping_t
     assert checkpoint_state(out / "checkpoint")["step"] == 5
     generated = (out / "data" / "self.jsonl").read_text()
 
-    second = train(_options(looping_target, corpus, out, max_steps=8, checkpoint_every=2))
+    second = train(_options(looping_target, corpus, out, max_steps=8, checkpoint_every=2), LLM)
     assert second["resumed_from_step"] >= 4 and second["steps"] == 8
     assert (out / "data" / "self.jsonl").read_text() == generated  # the generations were reused, not redone
     moments = load_file(str(out / "checkpoint" / "optimizer.safetensors"))
@@ -157,16 +158,17 @@ def test_training_writes_the_head_and_resumes_from_its_last_checkpoint(looping_t
     load_head(out, args, torch.nn.Embedding(args.vocab_size, args.hidden_size), torch.float32,
               KernelPolicy.resolve("torch"))
     with pytest.raises(ValueError, match="lr 0.001 -> 0.01"):
-        train(_options(looping_target, corpus, out, max_steps=9, lr=1e-2))
+        train(_options(looping_target, corpus, out, max_steps=9, lr=1e-2), LLM)
 
 
 def test_self_distilled_head_reaches_the_acceptance_bar(looping_target: Path, tmp_path: Path) -> None:
     """The issue's bar: a mean acceptance length above 1.5 on held-out prompts' greedy continuations (an
     untrained head's is 1.0: the smoke test's 5 steps leave it there)."""
+    from pagoda import LLM
     from pagoda.spec_decode.eagle3_train import train
 
     corpus = _corpus(tmp_path / "corpus.txt", 240)
-    report = train(_options(looping_target, corpus, tmp_path / "out", max_steps=300, lr=3e-3))
+    report = train(_options(looping_target, corpus, tmp_path / "out", max_steps=300, lr=3e-3), LLM)
     print(report["acceptance"])
     assert report["acceptance"]["mean_acceptance_length"] > 1.5
 

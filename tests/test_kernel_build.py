@@ -122,7 +122,7 @@ def test_the_build_key_follows_sources_flags_torch_and_cpu(tmp_path):
 @pytest.mark.slow
 def test_the_real_build_killed_mid_compile_loads_on_the_next_start(tmp_path):
     """`pagoda` with no prebuilt library (a fresh cache, prebuilt folder hidden), killed mid-compile, then again."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache")}
     script = ("from pagoda.kernels import cpu_extension as c; c.prebuilt_library = lambda *a, **k: None; c.load(); "
               "print('kernels:', c.loaded_build(), c.build_isa().name)")
     first = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True,
@@ -147,7 +147,7 @@ def test_a_wheel_carries_its_kernels_and_generates_without_compiling(tmp_path):
     wheel = next(wheels.glob("pagoda-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(site), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(site), "PAGODA_CACHE_DIR": str(tmp_path / "cache")}
     script = ("import pagoda; from pagoda import LLM, SamplingParams; llm = LLM(); "
               "out = llm.generate(['Hello'], SamplingParams(max_tokens=4), use_tqdm=False); "
               "print('from', pagoda.__file__); print('build', llm.engine.runner.policy.kernel_build)")

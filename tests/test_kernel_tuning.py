@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pagoda.kernels import tuning
-from pagoda.kernels.tuning import CACHE_ENV, KernelTuner, TuningShape
+from pagoda.kernels.tuning import KernelTuner, TuningShape
+from pagoda.paths import TUNING_CACHE_ENV
 
 SHAPE = TuningShape("bfloat16", 32, 64, 0, torch.float32)
 
@@ -177,7 +178,7 @@ def test_tuned_model_is_batch_invariant_and_matches_off_when_tuned_to_the_built_
     from pagoda import LLM
 
     path = tmp_path / "tuning.json"
-    monkeypatch.setenv(CACHE_ENV, str(path))
+    monkeypatch.setenv(TUNING_CACHE_ENV, str(path))
     force(monkeypatch, which)
     kw = dict(tokenizer=default_gguf, dtype="bfloat16", kv_cache_memory="64MiB", quantization=quantization)
     tuned = LLM(tiny_llama, kernel_tuning="auto", **kw)
@@ -215,7 +216,7 @@ def test_bench_throughput_prints_and_reports_the_tuning_table(tiny_llama_byte_to
                                                               capsys):
     from pagoda.entrypoints.cli import main
 
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "tuning.json"))
+    monkeypatch.setenv(TUNING_CACHE_ENV, str(tmp_path / "tuning.json"))
     out = tmp_path / "result.json"
     rc = main(["bench", "throughput", "--model", str(tiny_llama_byte_tokenizer), "--num-prompts", "2",
                "--input-len-range", "8", "16", "--output-len-range", "2", "4", "--no-roofline", "--dtype", "bfloat16",

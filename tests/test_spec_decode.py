@@ -8,7 +8,7 @@ import pytest
 from tiny_models import build_tiny_eagle3_head, build_tiny_model
 
 from pagoda import LLM, SamplingParams
-from pagoda.spec_decode.config import SpeculativeConfig
+from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode.ngram import NgramProposer, ngram_propose
 
 # Token ids < 32: a 32-token vocabulary makes greedy output of a random tiny model fall into loops (as real

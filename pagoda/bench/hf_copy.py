@@ -3,7 +3,7 @@
 transformers dequantizes the GGUF on load; `save_pretrained` then refuses the model while it still
 carries the GGUF quantizer, so the quantizer and `config.quantization_config` are dropped first (with a
 fallback that rebuilds the model from its config and loads the state dict into it). The copy is made
-once per GGUF file and cached under $PAGODA_CACHE_DIR (default ~/.cache/pagoda)/hf_copies/<hash>/,
+once per GGUF file and cached in pagoda's cache folder (pagoda/paths.py), hf_copies/<hash>/,
 keyed by the file's content hash. It is written into a temporary folder beside the final one and
 renamed into place, so a crash or a concurrent run never leaves a half-written copy behind.
 """
@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from pagoda import paths
+
 # Bump when the copy's layout or contents change, so old copies are not reused.
 _COPY_VERSION = 1
 _MARKER = "pagoda_hf_copy.json"
@@ -26,9 +28,7 @@ _SAVE_DTYPE = "float32"
 
 
 def hf_copies_dir() -> str:
-    from pagoda.config import cache_dir
-
-    return os.path.join(cache_dir(), "hf_copies")
+    return str(paths.hf_copies_dir())
 
 
 def file_digest(path: str, chunk: int = 1 << 22) -> str:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from pagoda.bench.datasets import SCHEMAS, synthetic_chat_requests
-from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
+from pagoda.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 # Many fixed keys: most of the output is forced text, which jump-forward appends without decoding.
 CONTACT_KEYS = ["first_name", "last_name", "street_address", "city_name", "postal_code", "country_name",

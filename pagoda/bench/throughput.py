@@ -25,7 +25,7 @@ from pagoda.bench.datasets import (
     seed_from_args,
     synthetic_chat_requests,
 )
-from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
+from pagoda.entrypoints.engine_args import add_engine_args, engine_kwargs
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -291,6 +291,7 @@ def main(args: argparse.Namespace) -> int:
     if roofline is not None:
         _progress(roofline.describe())
     flops = workload_flops(engine.args, [(len(r.prompt_token_ids), r.output_len) for r in requests])
+    spec_cfg = engine.config.speculative_config
     report: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": platform.machine(),
@@ -307,7 +308,7 @@ def main(args: argparse.Namespace) -> int:
                      "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
                      "flops": flops},
         "pagoda": {**ours.to_dict(), "achieved_flops": flops / ours.elapsed_s},
-        "speculative_config": engine.config.speculative_config,
+        "speculative_config": None if spec_cfg is None else asdict(spec_cfg),
         # The best any full-block prefix cache could do on this workload, next to what we measured.
         "max_prefix_hit_rate": max_prefix_hit_rate(requests, engine.config.cache.block_size),
     }

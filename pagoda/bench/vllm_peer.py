@@ -19,15 +19,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagoda import paths
 from pagoda.bench.datasets import BenchRequest
 
 
 def peer_python(name: str) -> str:
     """The python of the venv `bash scripts/install-peers.sh NAME` makes in the cache folder: where the bench
     looks unless its flag (--vllm-python, --llama-python) names another."""
-    from pagoda.config import cache_dir
-
-    return os.path.join(cache_dir(), "peers", name, "bin", "python")
+    return os.path.join(paths.peers_dir(), name, "bin", "python")
 
 
 DEFAULT_VLLM_PYTHON = peer_python("vllm")

@@ -33,7 +33,6 @@ from pagoda.model.loader import resolve_model_files
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.speculator import Speculator
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
@@ -113,8 +112,7 @@ class LLMEngine:
         self.stats = StepStats()
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
-            self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self.runner,
-                                         self.kv, self.tokenizer)
+            self.speculator = Speculator(config.speculative_config, self.runner, self.kv, self.tokenizer)
         logger.info("KV pool: %d blocks of %d tokens (%.0f MiB; %d wanted for %d seqs x %d tokens), dtype %s, "
                     "kv_cache_dtype %s", num_blocks, config.cache.block_size,
                     num_blocks * self.runner.kv_bytes_per_block() / 2**20, blocks_wanted, sched_cfg.max_num_seqs,
@@ -409,12 +407,10 @@ class LLMEngine:
         # valid KV: the scheduler rolls it back.
         rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in spec_rows}
         self.scheduler.update(sched, rejected)
-        if self.speculator is not None:
-            self.speculator.settle(sched, rejected, verified, appended, out.aux_hidden)
         self.stats.num_scheduled_tokens += sched.total_tokens
         self.stats.num_generated_tokens += num_generated
         if self.speculator is not None:
-            self.speculator.observe_step(sched.total_tokens, t_fwd, time.perf_counter() - t_step)
+            self.speculator.settle(sched, rejected, verified, appended, out.aux_hidden, t_fwd, t_step)
         results = []
         for req in touched.values():
             output = self._guarded(req, touched, self.outputs.make_output, req)

@@ -14,7 +14,7 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagoda.entrypoints.cli import add_engine_args
+    from pagoda.entrypoints.engine_args import add_engine_args
 
     p.add_argument("input", help="JSONL of requests, one per line (OpenAI's batch input format)")
     p.add_argument("output", help="where the results go, one JSON line per input line, in order")
@@ -47,18 +47,18 @@ async def _run(app: Any, engine: Any, lines: list[str], concurrency: int) -> lis
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagoda.entrypoints.cli import _check_model, engine_kwargs
+    from pagoda.entrypoints.engine_args import check_model, engine_kwargs
 
     src = Path(args.input)
     if not src.is_file():
         raise FileNotFoundError(f"no input file {src}")
     lines = [ln for ln in src.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    _check_model(args.model)
+    check_model(args.model)
     from pagoda.config import EngineConfig
     from pagoda.engine.async_engine import AsyncEngine
     from pagoda.engine.engine import LLMEngine
     from pagoda.entrypoints.server.app import ServerSettings, create_app
-    from pagoda.entrypoints.server.cli import served_names
+    from pagoda.entrypoints.server.args import served_names
 
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     names, aliases = served_names(args.model, None)

@@ -82,7 +82,7 @@ def perplexity(llm: Any, token_ids: list[int], max_length: int = 512, stride: in
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagoda.entrypoints.cli import add_engine_args
+    from pagoda.entrypoints.engine_args import add_engine_args
 
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder, INT4 checkpoint folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pagoda import LLM
-    from pagoda.entrypoints.cli import engine_kwargs
+    from pagoda.entrypoints.engine_args import engine_kwargs
 
     with open(args.text, encoding="utf-8") as f:
         text = f.read()

@@ -14,9 +14,8 @@ from pagoda.config import EngineConfig
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.distributed.tensor_parallel import Shard, parallelize
 from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
-from pagoda.kernels.paged_attention import k_cache_shape
+from pagoda.kernels.paged_attention import AttentionMetadata, k_cache_shape
 from pagoda.kernels.policy import KernelPolicy
-from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.lora.manager import LoRAManager
 from pagoda.model.args import ModelArgs

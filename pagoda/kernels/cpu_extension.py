@@ -21,7 +21,6 @@ import functools
 import hashlib
 import importlib.machinery
 import logging
-import os
 import shutil
 import sys
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda import paths
 from pagoda.kernels import cpu_features
 from pagoda.kernels.build_spec import (
     BUILDS,
@@ -99,11 +99,6 @@ _lock = threading.Lock()
 _loaded = _Loaded()
 
 
-def cache_root() -> Path:
-    """The user cache folder of just-in-time builds and kernel tuning tables."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagoda" / "torch_extensions"
-
-
 def build_directory(src_dir: Path = SRC_DIR, build: str = "native") -> Path:
     """The cache folder of `build` compiled from `src_dir` here (also where its tuning table lives).
 
@@ -111,7 +106,7 @@ def build_directory(src_dir: Path = SRC_DIR, build: str = "native") -> Path:
     with the same sources sharing one dir would each see the other's build as stale and recompile it; one dir per
     checkout keeps each build."""
     where = hashlib.sha256(str(src_dir.resolve()).encode()).hexdigest()[:8]
-    return cache_root() / f"{build_key(build, torch.__version__, src_dir)}-{where}"
+    return paths.kernel_builds_dir() / f"{build_key(build, torch.__version__, src_dir)}-{where}"
 
 
 def prebuilt_library(build: str, src_dir: Path = SRC_DIR) -> Path | None:

@@ -15,7 +15,7 @@ import torch
 from pagoda.kernels.paged_attention import fused_attention_supported
 
 if TYPE_CHECKING:
-    from pagoda.layers.attention import AttentionMetadata
+    from pagoda.kernels.paged_attention import AttentionMetadata
 
 # One linear as the op takes it: [weight or codes, scales, offsets, bias], its format's code (linear_formats.py,
 # the table cpu/linear_formats.h shares), group size, and the most rows the stack runs with it.

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.kv_quant import quantize_kv
 
-# With AVX-512 (in the loaded build: cpu_extension.build_isa) the C++ ops are vectorized and row-parallel:
-# faster than torch's at every size measured (RMSNorm with the residual add and silu_and_mul, from 8 to 512
-# rows), and they round where HF's unfused ops do. Without it (the avx2 build) their scalar loops only win
-# where op count dominates (decode, a few rows), but they run at every row count too: a row's result must not
-# depend on how many rows share the step (batch invariance, issue 21), and torch's ops round elsewhere.
+# With AVX-512 (in the loaded build: cpu_extension.build_isa) the C++ ops are vectorized and row-parallel,
+# faster than torch's (RMSNorm with the residual add, silu_and_mul), and they round where HF's unfused ops do.
+# Without it (the avx2 build) their scalar loops only win where op count dominates (decode, a few rows), but they
+# run at every row count too: a row's result must not depend on how many rows share the step (batch invariance),
+# and torch's ops round elsewhere.
 
 
 def _use_kernel(x: torch.Tensor, kernel: bool | None = None) -> bool:

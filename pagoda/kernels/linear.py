@@ -1,18 +1,18 @@
 """Dense linear op, on a copy of the weight laid out once at load.
 
-fp32 and bf16 on AVX-512: Pagoda's panel-packed GEMM (cpu/packed_linear.cpp) at every row count: over
-SmolLM2's linears with cold weights it beats the row-major streaming kernel and oneDNN's prepacked GEMM
-from 1 to 64 rows and stays within a few percent of oneDNN at prefill sizes. Elsewhere (shapes it can't
-take, other CPUs, the torch fallback): oneDNN on a prepacked weight (beats F.linear, which re-lays the weight
-out on every call, from M = 9 up). `python -m benchmarks.quant_kernels` times them per shape; the figures are in
-docs/architecture.md and docs/benchmarks.md. The packed copy costs the weight's size in memory again.
+fp32 and bf16 on AVX-512: Pagoda's panel-packed GEMM (cpu/packed_linear.cpp) at every row count: with cold
+weights it reads them faster than the row-major streaming kernel and oneDNN's prepacked GEMM at decode and small
+batch sizes, and keeps up with oneDNN at prefill sizes. Elsewhere (shapes it can't take, other CPUs, the torch
+fallback): oneDNN on a prepacked weight (F.linear re-lays the weight out on every call).
+`python -m benchmarks.quant_kernels` times them per shape; the figures are in docs/architecture.md and
+docs/benchmarks.md. The packed copy costs the weight's size in memory again.
 
 Batch invariance: a row's result must not depend on how many rows share the call. The panel kernel sums each
 output in one order at every row count. oneDNN does from two rows up, but computes one row alone with another
-kernel (measured with torch 2.13: fp32 and bf16, K 64-1536, N 64-49152, 2-2048 rows), so `onednn_linear` pads
-a lone row to two; MKL's fp32 GEMM (F.linear) changes its order up to 16 rows, and is not used where oneDNN is
-there. The few-row streaming kernel (small_m_linear) sums in another order than oneDNN, so a layer does not
-switch between them by row count.
+kernel, so `onednn_linear` pads a lone row to two (tests/test_batch_invariance.py holds every kernel to the
+rule); MKL's fp32 GEMM (F.linear) changes its order up to 16 rows, and is not used where oneDNN is there. The
+few-row streaming kernel (small_m_linear) sums in another order than oneDNN, so a layer does not switch between
+them by row count.
 """
 from __future__ import annotations
 

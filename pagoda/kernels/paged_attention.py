@@ -19,6 +19,7 @@ row-major: P @ V reads V by rows.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,16 @@ from pagoda.kernels.cpu_extension import build_isa, kernel_available
 
 logger = logging.getLogger(__name__)
 _warned = False
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Flat (varlen) description of one step's batch, shared by every layer."""
+
+    slot_mapping: torch.Tensor     # int64 [T]: cache slot of each new token
+    block_tables: torch.Tensor     # int32 [B, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor         # int32 [B]: context length including this step's tokens
 
 
 def k_words_supported(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:

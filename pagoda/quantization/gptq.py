@@ -93,7 +93,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int =
 @contextmanager
 def _threads(n: int) -> Iterator[None]:
     """The column loop is thousands of small ops: extra intra-op threads only add sync overhead
-    (much slower on a busy 2-core machine), so it runs on few threads unless the rows are many."""
+    (and on shared cores the threads wait on each other), so it runs on few threads unless the rows are many."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -52,8 +52,7 @@ class AdaptivePolicy:
     ema: float = 0.3          # weight of the newest verification
     recovery: float = 0.02    # per step without speculating, drift back toward the prior (to probe again)
     # A proposal must beat the step's rate by this factor: the cost model misses Python and kernel-path costs of
-    # longer rows (without it a 16-request chat batch ran slower than no speculation), and a loss hurts more
-    # than a tie.
+    # longer rows, which can make a full batch slower than no speculation, and a loss hurts more than a tie.
     margin: float = 1.5
     alpha: dict[int, float] = field(default_factory=dict)
 

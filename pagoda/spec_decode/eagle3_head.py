@@ -31,9 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.kernels.paged_attention import k_cache_shape
+from pagoda.kernels.paged_attention import AttentionMetadata, k_cache_shape
 from pagoda.kernels.policy import KernelPolicy
-from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding

@@ -15,6 +15,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,10 +355,11 @@ def train_step(head: DenseEagle3, opt: torch.optim.Optimizer, batch: Batch, ttt_
     return loss.item()
 
 
-def train(opts: TrainOptions) -> dict[str, Any]:
-    """Train (or resume) a head into opts.output; returns the report also written to train_report.json."""
+def train(opts: TrainOptions, llm_class: Callable[..., Any]) -> dict[str, Any]:
+    """Train (or resume) a head into opts.output; returns the report also written to train_report.json.
+    `llm_class` is the offline API's LLM (entrypoints/llm.py), passed in by the caller because speculation sits
+    below the entrypoints; the target is `llm_class(opts.model, **opts.engine)`."""
     opts.check()
-    from pagoda.entrypoints.llm import LLM
     from pagoda.executor.model_runner import ModelRunner
 
     t0 = time.monotonic()
@@ -366,7 +368,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
     _check_run(out, opts)
-    llm = LLM(opts.model, **opts.engine)
+    llm = llm_class(opts.model, **opts.engine)
     runner = llm.engine.runner
     if not isinstance(runner, ModelRunner):
         raise ValueError("train-eagle runs the target in one process (tensor_parallel_size 1)")

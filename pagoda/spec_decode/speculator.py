@@ -9,8 +9,9 @@ draft()    after scheduling: a model drafter writes its proposals over the place
            drops what the drafter or the grammar left unfilled.
 verify()   after the forward: rejection-sample each sequence's positions into the tokens it emits (a ragged
            Emitted: the accepted proposals and the target's own). The engine appends them through the stop
-           rules and Scheduler.update rolls back what was rejected; then settle() records the acceptance,
-           rolls a draft model back, and hands an EAGLE head the step's target states (eagle3.py).
+           rules and Scheduler.update rolls back what was rejected; then settle() records the acceptance
+           and the step's cost, rolls a draft model back, and hands an EAGLE head the step's target states
+           (eagle3.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.config import SpeculativeConfig
 from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
@@ -30,7 +32,6 @@ from pagoda.layers.sampler import SamplerOutput, SamplingBatch, sampler_output
 from pagoda.model.tokenizer import Tokenizer
 from pagoda.spec_decode import rejection
 from pagoda.spec_decode.adaptive import AdaptivePolicy, StepCostModel
-from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.draft import ModelDraftProposer
 from pagoda.spec_decode.eagle3 import Eagle3Proposer
 from pagoda.spec_decode.ngram import NgramProposer
@@ -201,10 +202,6 @@ class Speculator:
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
 
-    def observe_step(self, num_tokens: int, forward_s: float, step_s: float) -> None:
-        if self.cfg.adaptive:
-            self.policy.cost.observe(num_tokens, forward_s, step_s)
-
     # ---- after the forward -----------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                structured: StructuredOutputManager) -> Verified:
@@ -238,15 +235,22 @@ class Speculator:
                         raw_logprobs, batch.max_logprobs, dead)
 
     def settle(self, sched: SchedulerOutput, rejected: Mapping[int, int], verified: Verified | None,
-               appended: dict[Sequence, int], aux_hidden: torch.Tensor | None) -> None:
-        """After the emitted tokens are appended (`appended`: how many per sequence, after stops) and
-        Scheduler.update rolled back each row's `rejected` tokens: count the acceptance, let the adaptive policy
-        learn from it, roll a draft model back, and let an EAGLE head keep the states of the positions the step
-        made valid."""
+               appended: dict[Sequence, int], aux_hidden: torch.Tensor | None, forward_s: float,
+               step_started: float) -> None:
+        """The step's last word, after the emitted tokens are appended (`appended`: how many per sequence, after
+        stops) and Scheduler.update rolled back each row's `rejected` tokens: count the acceptance, let the
+        adaptive policy learn from it and from the step's cost (`forward_s` of the forward, the step begun at
+        perf_counter `step_started`), roll a draft model back, and let an EAGLE head keep the states of the
+        positions the step made valid."""
         if isinstance(self.drafter, Eagle3Proposer):
             self.drafter.record(sched, rejected, aux_hidden)
-        if verified is None:
-            return
+        if verified is not None:
+            self._count(verified, appended)
+        if self.cfg.adaptive:
+            self.policy.cost.observe(sched.total_tokens, forward_s, time.perf_counter() - step_started)
+
+    def _count(self, verified: Verified, appended: dict[Sequence, int]) -> None:
+        """Acceptance into the stats and the adaptive policy; a draft model rolls back what was rejected."""
         st = self.stats
         st.num_emitted_tokens += sum(appended.get(s, 0) for s in verified.seqs)
         for seq, e, k in zip(verified.seqs, verified.emitted, verified.num_proposed):

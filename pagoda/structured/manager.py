@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pagoda.config import StructuredOutputsConfig, parse_memory
+from pagoda.config import STRUCTURED_OUTPUTS_BACKENDS, StructuredOutputsConfig, parse_memory
 from pagoda.structured.backend import GrammarBackend, Matcher, make_backend
 from pagoda.structured.compile_workers import (
     CompileBudget,
@@ -39,7 +39,6 @@ from pagoda.structured.compile_workers import (
 from pagoda.structured.limits import JUMP_FORWARD_MAX_CHARS, check_alternatives, json_schema_sizes
 from pagoda.structured.params import StructuredOutputsParams
 
-BACKENDS = ("auto", "xgrammar", "guidance")
 _PACKAGE = {"xgrammar": "xgrammar", "guidance": "llguidance"}  # the library each backend imports
 logger = logging.getLogger(__name__)
 
@@ -52,11 +51,12 @@ def _importable(package: str) -> bool:
 
 
 def backends_tried(name: str) -> tuple[str, ...]:
-    """The backends `name` (BACKENDS) compiles with, in order. auto is xgrammar then llguidance, or llguidance
-    alone where xgrammar is not installed (it is optional: scripts/install.sh adds it without triton). A backend
-    named on its own must be importable."""
-    if name not in BACKENDS:
-        raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    """The backends `name` (STRUCTURED_OUTPUTS_BACKENDS) compiles with, in order. auto is xgrammar then
+    llguidance, or llguidance alone where xgrammar is not installed (it is optional: scripts/install.sh adds it
+    without triton). A backend named on its own must be importable."""
+    if name not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                         f"got {name!r}")
     tried = ("xgrammar", "guidance") if name == "auto" else (name,)
     present = tuple(b for b in tried if _importable(_PACKAGE[b]))
     if name != "auto" and not present:

@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from pagoda.structured.backend import Matcher
 from pagoda.structured.params import StructuredOutputsParams
 
 
@@ -94,7 +93,7 @@ class XGrammarBackend:
     def size_bytes(self, compiled: Any) -> int:
         return int(compiled.memory_size_bytes)
 
-    def matcher(self, compiled: Any) -> Matcher:
+    def matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:

@@ -505,7 +505,7 @@ def test_api_key_enforced() -> None:
 def test_a_model_is_served_as_its_base_name_and_its_path_is_accepted() -> None:
     from fastapi.testclient import TestClient
 
-    from pagoda.entrypoints.server.cli import served_names
+    from pagoda.entrypoints.server.args import served_names
 
     assert served_names("./models/smol-hf/", None) == (["smol-hf"], ["./models/smol-hf/", "./models/smol-hf"])
     assert served_names("/m/SmolLM2.Q4_1.gguf", None) == (["SmolLM2.Q4_1"], ["/m/SmolLM2.Q4_1.gguf",

@@ -45,9 +45,6 @@ from typing import IO, Any
 from pagoda.cpus import resolve as resolve_cpus
 from pagoda.entrypoints.server.keyed_router import WORKER_SECRET_ENV
 
-# vllm-router's policies that Pagoda's server serves everything for (docs/deployment.md has what each asks);
-# kv_aware needs vLLM's ZMQ KV-cache events, which Pagoda does not publish.
-ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "consistent_hash", "sticky_least_loaded")
 ROUTER_INSTALL_HINT = "pip install vllm-router (or: pip install -e '.[router]')"
 # vllm-router's defaults keep sending requests to a dead worker until 10 of them failed (its circuit breaker)
 # or three health checks a minute apart did; with 5 tries per request (its default), a threshold of 3 lets
@@ -177,7 +174,7 @@ def replica_ports(base: int | None, front_port: int, n: int) -> list[int]:
 def forwarded_args(args: argparse.Namespace) -> list[str]:
     """The `pagoda serve` flags of `args` that the replicas take, as a command line: every flag whose value
     differs from its default, except the launcher's own (host, port, data-parallel and router flags)."""
-    from pagoda.entrypoints.server.cli import add_arguments
+    from pagoda.entrypoints.server.args import add_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)

@@ -25,7 +25,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 def model_specs(paths: list[str], models_dir: str | None) -> list[ModelSpec]:
     """The models given one by one, then every model in `models_dir` (a folder with config.json, or a .gguf
     file), each named as a single server names it (its folder's or file's base name)."""
-    from pagoda.entrypoints.server.cli import served_names
+    from pagoda.entrypoints.server.args import served_names
 
     found = list(paths)
     if models_dir is not None:
@@ -152,11 +152,11 @@ def main(args: argparse.Namespace, paths: list[str], settings: ServerSettings) -
     """Serve every model of `paths` and --models-dir behind one dispatcher (cli.main's single-model path
     otherwise)."""
     from pagoda.config import parse_memory
-    from pagoda.entrypoints.cli import engine_kwargs
-    from pagoda.entrypoints.server.cli import run_server
+    from pagoda.entrypoints.engine_args import engine_kwargs
     from pagoda.entrypoints.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
     from pagoda.entrypoints.server.model_dispatcher import ModelDispatcher
     from pagoda.entrypoints.server.models import ModelRegistry
+    from pagoda.entrypoints.server.run import run_server
     from pagoda.entrypoints.server.settings import ModelsSettings
 
     check_args(args)

@@ -83,9 +83,9 @@ def serve_pooling(args: Any, settings_kwargs: dict) -> int:
 
     import uvicorn
 
-    from pagoda.entrypoints.cli import engine_kwargs
+    from pagoda.entrypoints.engine_args import engine_kwargs
     from pagoda.entrypoints.server import connections
-    from pagoda.entrypoints.server.cli import served_names
+    from pagoda.entrypoints.server.args import served_names
     from pagoda.model.default_model import DEFAULT_EMBEDDING_NAME
 
     names, aliases = served_names(args.model, args.served_model_name)

@@ -70,8 +70,8 @@ template <typename C>
 constexpr bool kQuantized = std::is_same<C, I8>::value || std::is_same<C, E4M3>::value ||
                             std::is_same<C, E5M2>::value;
 
-// W 8-bit codes as fp32, vectorized (the scalar 256-entry table it replaced kept the 8-bit caches slower than fp32's
-// on AVX2): int8 widens; an fp8 code's magnitude bits shifted into an fp32's exponent and mantissa give its value
+// W 8-bit codes as fp32, vectorized (a scalar 256-entry table lookup per code would leave the 8-bit caches slower than
+// fp32's): int8 widens; an fp8 code's magnitude bits shifted into an fp32's exponent and mantissa give its value
 // times 2^-(127 - bias) (subnormals as fp32 denormals), which one multiply restores, as quant_decode.h does for
 // weights. e4m3 0x7f (NaN) and e5m2 inf/NaN are never stored: writes clamp to +-qmax.
 template <typename C>

@@ -258,9 +258,8 @@ void run_blocks(int64_t M, int64_t N, Rows&& rows_fn) {
 
 // x quantized to int8 per row and 32 columns, as llama.cpp's Q8 blocks are: scale a = max|x| / 127 (xa [M, K / 32]),
 // round to nearest; each `chunk` columns (32 or 64: the kernel's nibble order) stored [even | odd]. xs: exact fp32
-// sums of x per group of gs columns, for the offsets. On x86 vectorized and over both threads (over SmolLM2's linears
-// at 512 rows the INT8 kernel ran 1.07-1.10x on AVX2 and 1.09-1.10x on AVX-512 faster than with the scalar loop);
-// elsewhere the scalar loop, which is the definition both follow.
+// sums of x per group of gs columns, for the offsets. On x86 vectorized and over the threads (at many rows quantizing
+// x is part of the INT8 kernel's cost); elsewhere the scalar loop, which is the definition both follow.
 struct QuantizedX {
   std::vector<int8_t> xq;
   std::vector<float> xa, xs;
@@ -425,7 +424,7 @@ void rows_int4_bf16(const uint8_t* w, int64_t row_bytes, const float* scales, co
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     // The rows ~4 KiB ahead, into L1 while these compute: the hardware prefetcher alone leaves this
-    // loop waiting on memory (8..32 rows ahead all measured alike).
+    // loop waiting on memory. The distance is not critical; a page ahead is enough.
     const uint8_t* ahead[R];
     for (int r = 0; r < R; ++r) ahead[r] = w + std::min(n + r + prefetch_rows, n1 - 1) * row_bytes;
     auto chunk = [&](int64_t k, __m512 (&gacc)[R][M]) {

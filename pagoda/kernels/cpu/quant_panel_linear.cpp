@@ -280,16 +280,16 @@ void run(int64_t kind, const T* xp, int64_t M, int64_t K, const uint8_t* wp, int
   auto bt_of = [&](int64_t p) { return bp ? bp + p * kPanel : nullptr; };
   // The codes straight into dot products, at every row count. One row: four panels a tile (four chains); two
   // rows: four panels (eight chains); more: strips of 8 rows over two panels, revisited by every strip while they
-  // sit in L1. Threads split the panels evenly, each walks its own tiles. (Unpacking each tile's codes once into
-  // an L2 buffer that every strip reads measured no faster at 64-512 rows: the dot products and the per-group
-  // scaling bound it. The 8 x 48 dense tile over a tile dequantized to bf16, which ran above 128 rows before, was
-  // faster there but rounds the weights, so it changed the sums with the row count.)
+  // sit in L1. Threads split the panels evenly, each walks its own tiles. (No L2 buffer of unpacked codes for the
+  // strips to share: the dot products and the per-group scaling bound the kernel, not the unpacking. No dense tile
+  // over weights dequantized to bf16 at many rows either: it rounds the weights, so the sums would change with the
+  // row count.)
   const int64_t np = M <= 2 ? 4 : 2;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p += np) {
       const int64_t n = std::min<int64_t>(np, p1 - p);
       // The next tile's codes into L2 while this one computes (the hardware prefetcher alone leaves one row
-      // waiting on a whole model's cold weights; into L1, or two tiles ahead, measured no better).
+      // waiting on a whole model's cold weights; one tile ahead into L2 is enough).
       const uint8_t* next = p + n + np <= p1 ? wp + (p + n) * pstride : nullptr;
       with_codes(kind, [&](auto codes_tag) {
         using Codes = decltype(codes_tag);

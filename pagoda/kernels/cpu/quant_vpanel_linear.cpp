@@ -9,7 +9,7 @@
 // Every output column owns a lane: per k a panel's codes become two fp32 vectors and each activation row's x[k],
 // broadcast, is FMA'd into the group's dot product, one chain per (row, vector) in k order; at the group's end the
 // chain times the group's scales goes into the running sum, then the offsets times the row's group sum of x (sum_g
-// s_g sum_k q x + o_g sum_k x, which is x . (q s + o)). One FMA a weight where scaling each decoded code first took
+// s_g sum_k q x + o_g sum_k x, which is x . (q s + o)). One FMA a weight where scaling each decoded code first would take
 // two, which pays at one row, where decoding bounds the kernel (docs/benchmarks.md). No horizontal sums. That order is
 // the sum's one order whatever the row count (batch invariance): up to four rows the codes are decoded in registers
 // as they stream (two panels at a time at one row); more rows decode each panel once into an fp32 tile [K][P] that
