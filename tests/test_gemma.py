@@ -22,6 +22,7 @@ from tiny_models import (
     add_gguf_hparams,
     finish_gguf,
     gguf_tensor_name,
+    greedy_tokens,
     hf_argmax_agreement,
     hf_greedy,
     seeded_samples_and_singles,
@@ -71,9 +72,8 @@ def hf_tokens(model_dir: str) -> list[list[int]]:
     return hf_greedy(model_dir, PROMPTS, NEW)
 
 
-def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+def generate(llm: LLM) -> list[list[int]]:
+    return greedy_tokens(llm, PROMPTS, NEW)
 
 
 def run(model: str, tokenizer: str, **kw: Any) -> list[list[int]]:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import greedy_tokens
 
 from pagoda.kernels import tuning
 from pagoda.kernels.tuning import KernelTuner, TuningShape
@@ -163,11 +164,7 @@ def tuned_linears(llm) -> list:  # noqa: ANN001
 
 
 def greedy(llm) -> list[list[int]]:  # noqa: ANN001
-    from pagoda import SamplingParams
-
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return greedy_tokens(llm, [list(range(3, 3 + n)) for n in (5, 17, 40)], 8)
 
 
 @needs_panels

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from references import dense_sdpa
 
 import pagoda.kernels.paged_attention as pa
 from pagoda import LLM, SamplingParams
@@ -135,16 +135,6 @@ def dequantized_context(cache, block_tables, seq_lens, bs):
     return ks_out, vs_out
 
 
-def dense_sdpa(q, ks, vs, qsl, scale):
-    outs = []
-    for b in range(len(ks)):
-        qb = q[qsl[b]:qsl[b + 1]].float().transpose(0, 1)
-        k, v = ks[b].float().transpose(0, 1), vs[b].float().transpose(0, 1)
-        q_len, s = qb.shape[1], k.shape[1]
-        mask = torch.arange(s)[None, :] <= torch.arange(s - q_len, s)[:, None]
-        outs.append(F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                                   enable_gqa=True).transpose(0, 1))
-    return torch.cat(outs)
 
 
 # decodes, prefill from scratch, chunked prefill over prior context, lengths off the block grid

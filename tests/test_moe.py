@@ -20,6 +20,7 @@ from tiny_models import (
     build_tiny_moe,
     finish_gguf,
     gguf_tensor_name,
+    greedy_tokens,
     hf_argmax_agreement,
     hf_greedy,
     variant,
@@ -53,8 +54,7 @@ def hf_tokens(tiny_moe) -> list[list[int]]:
 
 
 def generate(llm: LLM, prompts: list[list[int]] = PROMPTS, n: int = 1) -> list[list[int]]:
-    outs = llm.generate(prompts, SamplingParams(n=n, temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
-    return [c.token_ids for o in outs for c in o.outputs]
+    return greedy_tokens(llm, prompts, NEW, n)
 
 
 def test_the_tiny_models_are_sparse_as_configured(tiny_moe, default_gguf):

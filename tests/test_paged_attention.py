@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from references import dense_sdpa
 
 import pagoda.kernels.paged_attention as pa
 from pagoda.kernels.fused_ops import write_kv_cache
@@ -42,18 +42,6 @@ def make_batch(specs, hq, hkv, d, bs, dtype, seed=0, words=False):
     return torch.cat(qs), k_cache, v_cache, block_tables, qsl, seq_lens, dense_k, dense_v
 
 
-def dense_sdpa(q, dense_k, dense_v, qsl, seq_lens, scale):
-    """Ground truth: per sequence SDPA with an explicit bottom-right-aligned causal mask."""
-    outs = []
-    for b in range(len(dense_k)):
-        qb = q[qsl[b]:qsl[b + 1]].float().transpose(0, 1)  # [Hq, q_len, D]
-        k = dense_k[b].float().transpose(0, 1)
-        v = dense_v[b].float().transpose(0, 1)
-        q_len, s = qb.shape[1], k.shape[1]
-        mask = torch.arange(s)[None, :] <= torch.arange(s - q_len, s)[:, None]
-        outs.append(F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                                   enable_gqa=True).transpose(0, 1))
-    return torch.cat(outs)
 
 
 # decode, prefill from scratch, chunked prefill with prior context, non-aligned lengths
@@ -73,7 +61,7 @@ def test_kernel_matches_reference_and_sdpa_fp32(hq, hkv, bs):
     d = 64
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, hq, hkv, d, bs, torch.float32, seed=hq * bs)
     scale = d ** -0.5
-    want = dense_sdpa(q, dk, dv, qsl, sl, scale)
+    want = dense_sdpa(q, dk, dv, qsl, scale)
     ref = pa.paged_attention_reference(q, kc, vc, bt, qsl, sl, scale)
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
     torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
@@ -87,7 +75,7 @@ def test_kernel_matches_reference_and_sdpa_fp32(hq, hkv, bs):
 def test_kernel_bf16(d, bs, words):
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, d, bs, torch.bfloat16, seed=d, words=words)
     scale = d ** -0.5
-    want = dense_sdpa(q, dk, dv, qsl, sl, scale)
+    want = dense_sdpa(q, dk, dv, qsl, scale)
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
     assert got.dtype == torch.bfloat16
     # inputs are exact bf16 in both paths; only the final rounding to bf16 differs
@@ -108,7 +96,7 @@ def test_kernel_bf16_few_rows(hq, hkv, d, words):
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, hq, hkv, d, 16, torch.bfloat16, seed=hq + d, words=words)
     scale = d ** -0.5
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, scale)
-    torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, sl, scale), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, scale), atol=1e-2, rtol=1e-2)
 
 
 @needs_kernel
@@ -116,11 +104,11 @@ def test_kernel_large_batch_and_long_prefill():
     specs = [(1, 1 + (7 * i) % 300) for i in range(200)] + [(300, 300), (129, 700)]
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, 4, 2, 64, 16, torch.float32, seed=1)
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
-    torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, sl, 0.125), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, 0.125), atol=2e-5, rtol=1e-5)
     if pa.k_words_supported(torch.bfloat16, 16, 64):  # the same batch over a bf16 cache with K words
         q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, 4, 2, 64, 16, torch.bfloat16, seed=1, words=True)
         got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
-        torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, sl, 0.125), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got.float(), dense_sdpa(q, dk, dv, qsl, 0.125), atol=1e-2, rtol=1e-2)
 
 
 @needs_kernel
@@ -128,11 +116,11 @@ def test_kernel_detects_wrong_causal_offset():
     """Off-by-one in the causal position (e.g. ignoring prior context) must be visible."""
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch([(8, 20), (1, 9)], 4, 2, 64, 4, torch.float32)
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, 0.125)
-    shifted = dense_sdpa(q, [k[:-1] for k in dk], [v[:-1] for v in dv], qsl, sl - 1, 0.125)
+    shifted = dense_sdpa(q, [k[:-1] for k in dk], [v[:-1] for v in dv], qsl, 0.125)
     assert not torch.allclose(got, shifted, atol=1e-3)
     # a kernel that treated the last query as attending to one key fewer would differ too
     assert not torch.allclose(got[-1:], dense_sdpa(q[-1:], [dk[1][:8]], [dv[1][:8]],
-                                                   torch.tensor([0, 1]), sl[1:] - 1, 0.125), atol=1e-3)
+                                                   torch.tensor([0, 1]), 0.125), atol=1e-3)
 
 
 def dense_window_softcap(q, dense_k, dense_v, qsl, seq_lens, scale, window, softcap):
@@ -191,7 +179,7 @@ def test_reference_matches_sdpa_without_kernel():
     """The fallback path (kernel=False, as under kernels="torch") is the reference and is exact."""
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, 64, 4, torch.float32, seed=3)
     got = pa.paged_attention(q, kc, vc, bt, qsl, sl, 0.125, kernel=False)
-    torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, sl, 0.125), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, 0.125), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, pa.paged_attention_reference(q, kc, vc, bt, qsl, sl, 0.125))
 
 
@@ -238,7 +226,7 @@ def test_write_then_attend_decode_step():
     sl2 = sl + 1
     dk2 = [torch.cat([dk[i], new_k[i:i + 1]]) for i in range(2)]
     dv2 = [torch.cat([dv[i], new_v[i:i + 1]]) for i in range(2)]
-    want = dense_sdpa(q, dk2, dv2, qsl, sl2, 0.125)
+    want = dense_sdpa(q, dk2, dv2, qsl, 0.125)
     torch.testing.assert_close(pa.paged_attention(q, kc, vc, bt, qsl, sl2, 0.125), want,
                                atol=2e-5, rtol=1e-5)
 

@@ -20,6 +20,7 @@ from tiny_models import (
     build_tiny_model,
     finish_gguf,
     gguf_tensor_name,
+    greedy_tokens,
     hf_argmax_agreement,
     hf_greedy,
     seeded_samples_and_singles,
@@ -56,9 +57,7 @@ def hf_short(tiny_phi3) -> list[list[int]]:
 
 
 def generate(model: str, tokenizer: str, prompts: list[list[int]], **kw) -> list[list[int]]:
-    llm = LLM(model, tokenizer=tokenizer, dtype=kw.pop("dtype", "float32"), **kw)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return greedy_tokens(LLM(model, tokenizer=tokenizer, dtype=kw.pop("dtype", "float32"), **kw), prompts, NEW)
 
 
 def test_tiny_phi3_with_longrope_and_partial_rotary_matches_hf(tiny_phi3, default_gguf, hf_long, hf_short):

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, hf_greedy, seeded_samples_and_singles, worst_prompt_logprob_error
+from tiny_models import (
+    build_tiny_model,
+    greedy_tokens,
+    hf_greedy,
+    seeded_samples_and_singles,
+    worst_prompt_logprob_error,
+)
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.kv_cache_manager import FREED
@@ -37,9 +43,8 @@ def hf_tokens(tiny_mistral) -> list[list[int]]:
     return hf_windowed(tiny_mistral)
 
 
-def generate(llm: LLM, max_new: int = 24) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+def generate(llm: LLM) -> list[list[int]]:
+    return greedy_tokens(llm, PROMPTS, 24)
 
 
 def test_hf_itself_feels_the_window(tiny_mistral, hf_tokens):

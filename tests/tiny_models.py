@@ -79,7 +79,18 @@ def build_tiny_moe(path: Path, arch: str, **overrides) -> Path:
     return path
 
 
-# ---- transformers' side of the comparisons ---------------------------------------------------------------------
+# ---- the two sides of the comparisons ---------------------------------------------------------------------------
+
+
+def greedy_tokens(llm: Any, prompts: list, max_new: int, n: int = 1) -> list[list[int]]:
+    """Pagoda's greedy continuations of `prompts` (token id lists, or strings), `max_new` tokens each with EOS
+    ignored, as hf_greedy runs; with `n` > 1, each prompt's n sequences one after another."""
+    from pagoda import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(n=n, temperature=0, max_tokens=max_new, ignore_eos=True),
+                        use_tqdm=False)
+    return [list(c.token_ids) for o in outs for c in o.outputs]
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int,
