@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -48,6 +49,12 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         os.unlink(self.log.name)
+
+    def openai(self, api_key: str = "unused", timeout: float = 120) -> Any:
+        """The `openai` SDK's client of this server (no retries: a test sees the first answer)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
     def log_tail(self, n: int = 4000) -> str:
         self.log.flush()

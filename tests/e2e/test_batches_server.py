@@ -34,7 +34,7 @@ def job_lines(count: int, max_tokens: int) -> list[str]:
 
 
 def client_of(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="k", max_retries=0, timeout=60)
+    return srv.openai("k", 60)
 
 
 def submit(client: openai.OpenAI, lines: list[str]) -> str:

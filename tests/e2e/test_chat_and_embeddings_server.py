@@ -33,7 +33,7 @@ def server() -> Iterator[ServerProcess]:
 
 
 def test_one_server_answers_chat_and_embeddings_through_the_openai_client(server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    client = server.openai()
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0)
     assert chat.model == MODEL_NAME and chat.choices[0].message.content and chat.usage.completion_tokens <= 4

@@ -161,7 +161,7 @@ def test_endpoints_answer_as_vllm_does(replicas: list[ServerProcess], router: Ro
     router_metrics = httpx.get(router.metrics_url).text
     assert 'vllm_router_kv_routing_inputs_total{transport="http",result="render"}' in router_metrics
     # /metrics: vLLM's names with its engine label, the same values as Pagoda's own names.
-    direct = openai.OpenAI(base_url=f"{replicas[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
+    direct = replicas[0].openai()
     ask(direct, "The capital of France is")
     text = httpx.get(f"{replicas[0].url}/metrics").text
     values = samples(replicas[0].url)
@@ -195,7 +195,7 @@ def owners(replicas: list[ServerProcess], groups: list[str]) -> list[int]:
     for g, prefix in enumerate(groups):
         hits = []
         for r in replicas:
-            direct = openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            direct = r.openai()
             before = counters([r])
             ask(direct, prefix + "Probe:", 1)
             hits.append(deltas(before, counters([r]), "prefix_cache_hits")[0])

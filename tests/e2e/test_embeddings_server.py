@@ -39,7 +39,7 @@ def embed_server(reference: dict) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(embed_server: ServerProcess):  # noqa: ANN201
-    return openai.OpenAI(base_url=f"{embed_server.url}/v1", api_key="unused")
+    return embed_server.openai()
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:

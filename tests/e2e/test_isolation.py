@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,7 +115,7 @@ def _assert_openai_error(r: httpx.Response) -> None:
 def test_bad_requests_get_their_own_error_and_innocent_streams_finish_exactly(server: ServerProcess) -> None:
     """Four innocent streams run while every trigger is sent; each trigger gets its 4xx, and every innocent
     finishes with exactly its token count and no error."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = server.openai(timeout=300)
     results: dict[int, tuple[str | None, int | None, int]] = {}
     started = threading.Barrier(5)
 

@@ -61,7 +61,7 @@ def server(folders) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    return server.openai(KEY, 60)
 
 
 def _complete(client: openai.OpenAI, model: str) -> str:

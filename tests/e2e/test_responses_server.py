@@ -21,7 +21,7 @@ def client() -> Iterator[openai.OpenAI]:
     srv = ServerProcess("--kv-cache-memory", "128MiB", "--max-model-len", "1024")
     try:
         srv.wait_ready()
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield srv.openai()
     finally:
         srv.stop()
 

@@ -53,7 +53,7 @@ def reference(server_process: ServerProcess) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai()
 
 
 def metrics(server: ServerProcess) -> dict[str, float]:

@@ -54,7 +54,7 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return server.openai(timeout=300)
 
 
 @pytest.mark.parametrize("model", [Person, Inventory], ids=["nested-enum-pattern", "array-bounds-optional"])

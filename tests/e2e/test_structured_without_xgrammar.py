@@ -42,7 +42,7 @@ def server(hook_dir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai()
 
 
 def test_json_schema_runs_on_llguidance(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -29,7 +29,7 @@ def tp_server() -> Iterator[ServerProcess]:
 def test_chat_and_stream_equal_one_process(tp_server: ServerProcess, default_gguf: str) -> None:
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
     want = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
-    client = openai.OpenAI(base_url=f"{tp_server.url}/v1", api_key="none")
+    client = tp_server.openai("none")
     reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=16)
     assert reply.choices[0].message.content == want
     stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=16,
@@ -41,7 +41,7 @@ def test_a_stopped_rank_makes_health_503_until_it_resumes(tp_server: ServerProce
     """SIGSTOP on rank 1 mid-stream: /health turns 503 once a step has run past --step-timeout, and 200 again
     after SIGCONT, when the stream finishes with every token."""
     rank1 = max(psutil.Process(tp_server.proc.pid).children(recursive=True), key=lambda p: p.memory_info().rss)
-    client = openai.OpenAI(base_url=f"{tp_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    client = tp_server.openai("none")
     stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=64, stream=True,
                                        extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
     chunks = iter(stream)
@@ -64,7 +64,7 @@ def test_a_dead_rank_turns_the_server_into_503s(tp_server: ServerProcess) -> Non
     children = psutil.Process(tp_server.proc.pid).children(recursive=True)
     victim = max(children, key=lambda p: p.memory_info().rss)  # rank 1 holds weights; multiprocessing's helper not
     os.kill(victim.pid, signal.SIGKILL)
-    client = openai.OpenAI(base_url=f"{tp_server.url}/v1", api_key="none", max_retries=0, timeout=30)
+    client = tp_server.openai("none", timeout=30)
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=8)
@@ -88,7 +88,7 @@ def test_torchrun_ranks_serve_over_loopback() -> None:
                         "--served-model-name", MODEL_NAME, launcher=torchrun)
     try:
         srv.wait_ready()
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        client = srv.openai("none")
         llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
         want = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12),
                             use_tqdm=False)[0].outputs[0].text

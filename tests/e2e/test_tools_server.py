@@ -42,7 +42,7 @@ def _server(*args: str) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module", params=["xgrammar", "guidance"])
 def client(request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
     for srv in _server("--structured-outputs-backend", request.param):
-        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield srv.openai(timeout=300)
 
 
 def _check(calls: list[tuple[str, str]], expect: str | None = None) -> None:
