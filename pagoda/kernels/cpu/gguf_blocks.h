@@ -13,6 +13,7 @@
 // product is exact in fp32, so the group epilogue's s = d * sc and o = -dmin * m are gguf-py's own numbers.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -86,6 +87,7 @@ inline vu lane_index() {
 template <int64_t T>
 struct Blocks {
   using Tr = Traits<T>;
+  static constexpr int64_t kType = T;
   static constexpr int kGroups = Tr::kBlock / Tr::kGroup;
   static constexpr int64_t kMeta = 2 * P * (Tr::kMin ? 2 : 1) + (Tr::kSubScales ? kGroups * P * (Tr::kMin ? 2 : 1) : 0);
   static constexpr bool kWholeBytes = Tr::kHigh == 4;
@@ -155,5 +157,128 @@ struct Blocks {
     __builtin_prefetch(w + p * nsb * kBytes + (k + 64) * kBytes / Tr::kBlock, 0, 3);
   }
 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && \
+    defined(__AVX512BITALG__)
+#define PAGODA_GGUF_BF16 1
+
+// One segment as quant_panel_linear.cpp's bf16 panel driver reads it (the interface of its CodePanels), over the
+// same AVX-512 panels as Blocks: each 32-column panel is two of the driver's 16-column panels (v = 2 p + h, h: the
+// low or high nibbles), and per block of 8 k a panel's codes become four vdpbf16ps operands, operand o holding
+// k = 2o + j of column c at word 2c + j. A code q of up to 7 bits becomes the word 0x43qq, the bf16 number 128 + q
+// exactly (as the INT4 panels' codes), so each product with a bf16 x is exact in fp32, and the group epilogue takes
+// the carry 128 + bias off with the offsets: w x = s (128 + q) x + (o - (128 + bias) s) x. Q8_0's signed bytes
+// become the bf16 integers they are, through fp32 (as Int8Codes). Blocks::load is the reference each decodes as.
+template <int64_t T>
+struct DotBlocks {
+  using B = Blocks<T>;
+  using Tr = Traits<T>;
+  static constexpr bool kWholeBytes = B::kWholeBytes;
+  static constexpr float kCarry = kWholeBytes ? 0.f : 128.f + Tr::kBias;
+  static constexpr int64_t kGroups = B::kGroups;
+  static constexpr int64_t kScOffset = 2 * P * (Tr::kMin ? 2 : 1);  // the sub-block scales, after d (and dmin)
+  static constexpr int64_t kMOffset = 4 * P + kGroups * P;         // the mins, after the scales
+
+  const uint8_t* w;  // [panels of P, K / block, B::kBytes]
+  int64_t G, gs, nsb;
+
+  DotBlocks(const uint8_t* data, int64_t k) : w(data), G(k / Tr::kGroup), gs(Tr::kGroup), nsb(k / Tr::kBlock) {}
+  static constexpr bool has_offsets() { return Tr::kMin; }
+
+  // The super-block of 16-column panel v that holds k.
+  const uint8_t* block(int64_t v, int64_t k) const { return w + ((v >> 1) * nsb + k / Tr::kBlock) * B::kBytes; }
+
+  // vpermt2b's selectors for the words 0x43qq of operands (k0, k1) and (k2, k3): word 2c + j from z's byte
+  // 16 (2 half + j) + c (z: 4 k x 16 columns of codes), then byte 0 of the 0x43 vector.
+  static constexpr std::array<uint8_t, 128> kPairs = [] {
+    std::array<uint8_t, 128> t{};
+    for (int i = 0; i < 128; ++i) t[i] = i % 2 ? 64 : static_cast<uint8_t>(16 * (2 * (i / 64) + i / 2 % 2) + i % 64 / 4);
+    return t;
+  }();
+  // bitshuffle's selectors for z's byte 16 i + j (k i, column c = 16 h + j), each in the 64-bit lane 2 i + j / 8 that
+  // holds k i's field: bit c (kHigh 1), or bits 2c and 2c + 1 (kHigh 2); one row of 64 per (h, bit).
+  static constexpr std::array<uint8_t, 256> kBits = [] {
+    std::array<uint8_t, 256> t{};
+    for (int r = 0; r < 4; ++r)  // r = 2 h + bit
+      for (int i = 0; i < 64; ++i)
+        t[64 * r + i] = static_cast<uint8_t>(Tr::kHigh == 2 ? 2 * (16 * (r / 2) + i % 16) + r % 2 : 16 * (r / 2) + i % 16);
+    return t;
+  }();
+  static __m512i row(const uint8_t* t, int r) { return _mm512_loadu_si512(t + 64 * r); }
+
+  inline void operands(int64_t v, int64_t b, __m512bh (&op)[4]) const {
+    const int h = static_cast<int>(v & 1);
+    const int64_t k0 = 8 * b, kk = k0 % Tr::kBlock;
+    const uint8_t* sb = block(v, k0) + B::kMeta;
+    if constexpr (kWholeBytes) {  // [block][P] signed bytes: rows k, k + 1 of the half's 16 columns, interleaved
+      for (int o = 0; o < 4; ++o) {
+        const uint8_t* r = sb + (kk + 2 * o) * P + 16 * h;
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + P));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, c)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, c)));
+        op[o] = _mm512_cvtne2ps_pbh(hi, lo);  // words 0-15 from lo, 16-31 from hi
+      }
+      return;
+    }
+    const __m128i shift = _mm_cvtsi32_si128(4 * h);
+    const __m512i nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
+    const __m512i lo_pairs = row(kPairs.data(), 0), hi_pairs = row(kPairs.data(), 1);
+    for (int z4 = 0; z4 < 2; ++z4) {  // k 4 z4 .. 4 z4 + 3
+      __m512i z = _mm512_loadu_si512(sb + (kk + 4 * z4) * W);
+      z = _mm512_and_si512(_mm512_srl_epi16(z, shift), nib);
+      if constexpr (Tr::kHigh == 1) {  // a 32-bit field per k, column c at bit c
+        const __m512i f = _mm512_castsi128_si512(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + Tr::kBlock * W + (kk + 4 * z4) * 4)));
+        const __m512i lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), f);
+        const __mmask64 m = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h));
+        z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
+      } else if constexpr (Tr::kHigh == 2) {  // a 64-bit field per k, column c at bits 2c, 2c + 1
+        const __m512i f = _mm512_castsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Tr::kBlock * W + (kk + 4 * z4) * 8)));
+        const __m512i lanes = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), f);
+        const __mmask64 m4 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h));
+        const __mmask64 m5 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h + 1));
+        z = _mm512_mask_add_epi8(z, m4, z, _mm512_set1_epi8(16));
+        z = _mm512_mask_add_epi8(z, m5, z, _mm512_set1_epi8(32));
+      }
+      op[2 * z4] = (__m512bh)_mm512_permutex2var_epi8(z, lo_pairs, c43);
+      op[2 * z4 + 1] = (__m512bh)_mm512_permutex2var_epi8(z, hi_pairs, c43);
+    }
+  }
+  inline void prefetch(int64_t v, int64_t b) const {
+    // The bytes of 8 k, at their share of the super-block; the panel's two halves take alternate lines.
+    constexpr int64_t kSpan = 8 * B::kBytes / Tr::kBlock;
+    const uint8_t* p = block(v, 8 * b) + (8 * b % Tr::kBlock) * B::kBytes / Tr::kBlock;
+    for (int64_t line = 64 * (v & 1); line < kSpan; line += 128)
+      _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T1);
+  }
+
+  __m512 d_of(const uint8_t* sb, int64_t field, int h) const {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + field + 32 * h)));
+  }
+  static __m512 bytes_of(const uint8_t* p, bool is_signed) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  }
+  __m512 scale(int64_t v, int64_t g) const {  // d sc (d alone without sub-block scales), exact in fp32
+    const int h = static_cast<int>(v & 1);
+    const uint8_t* sb = block(v, g * Tr::kGroup);
+    const __m512 d = d_of(sb, 0, h);
+    if constexpr (Tr::kSubScales)
+      return _mm512_mul_ps(d, bytes_of(sb + kScOffset + g % kGroups * P + 16 * h, Tr::kSignedScales));
+    else return d;
+  }
+  __m512 xsum_coef(int64_t v, int64_t g, bool carried) const {  // -dmin m, less the carry times d sc
+    const int h = static_cast<int>(v & 1);
+    __m512 o = _mm512_setzero_ps();
+    if constexpr (Tr::kMin) {
+      const uint8_t* sb = block(v, g * Tr::kGroup);
+      o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + g % kGroups * P + 16 * h, false)));
+    }
+    return carried ? _mm512_fmadd_ps(scale(v, g), _mm512_set1_ps(-kCarry), o) : o;
+  }
+};
+#endif
 
 }  // namespace pagoda_gguf
