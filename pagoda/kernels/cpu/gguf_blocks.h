@@ -206,13 +206,18 @@ struct DotBlocks {
   }();
   static __m512i row(const uint8_t* t, int r) { return _mm512_loadu_si512(t + 64 * r); }
 
-  inline void operands(int64_t v, int64_t b, __m512bh (&op)[4]) const {
-    const int h = static_cast<int>(v & 1);
-    const int64_t k0 = 8 * b, kk = k0 % Tr::kBlock;
-    const uint8_t* sb = block(v, k0) + B::kMeta;
+  // Block i of group g (k = g kGroup + 8i) of panel v: its codes, from the half's nibbles (h: low or high).
+  inline void operands(int64_t v, int64_t g, int i, __m512bh (&op)[4]) const {
+    const uint8_t* sb = block(v, g * Tr::kGroup) + B::kMeta;
+    const int64_t kk = g % kGroups * Tr::kGroup + 8 * i;
+    if (v & 1) decode<1>(sb, kk, op);
+    else decode<0>(sb, kk, op);
+  }
+  template <int H>
+  static inline void decode(const uint8_t* sb, int64_t kk, __m512bh (&op)[4]) {
     if constexpr (kWholeBytes) {  // [block][P] signed bytes: rows k, k + 1 of the half's 16 columns, interleaved
       for (int o = 0; o < 4; ++o) {
-        const uint8_t* r = sb + (kk + 2 * o) * P + 16 * h;
+        const uint8_t* r = sb + (kk + 2 * o) * P + 16 * H;
         const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + P));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, c)));
@@ -221,24 +226,23 @@ struct DotBlocks {
       }
       return;
     }
-    const __m128i shift = _mm_cvtsi32_si128(4 * h);
     const __m512i nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
     const __m512i lo_pairs = row(kPairs.data(), 0), hi_pairs = row(kPairs.data(), 1);
     for (int z4 = 0; z4 < 2; ++z4) {  // k 4 z4 .. 4 z4 + 3
       __m512i z = _mm512_loadu_si512(sb + (kk + 4 * z4) * W);
-      z = _mm512_and_si512(_mm512_srl_epi16(z, shift), nib);
+      z = _mm512_and_si512(H ? _mm512_srli_epi16(z, 4) : z, nib);
       if constexpr (Tr::kHigh == 1) {  // a 32-bit field per k, column c at bit c
         const __m512i f = _mm512_castsi128_si512(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + Tr::kBlock * W + (kk + 4 * z4) * 4)));
         const __m512i lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), f);
-        const __mmask64 m = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h));
+        const __mmask64 m = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * H));
         z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
       } else if constexpr (Tr::kHigh == 2) {  // a 64-bit field per k, column c at bits 2c, 2c + 1
         const __m512i f = _mm512_castsi256_si512(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Tr::kBlock * W + (kk + 4 * z4) * 8)));
         const __m512i lanes = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), f);
-        const __mmask64 m4 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h));
-        const __mmask64 m5 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h + 1));
+        const __mmask64 m4 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * H));
+        const __mmask64 m5 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * H + 1));
         z = _mm512_mask_add_epi8(z, m4, z, _mm512_set1_epi8(16));
         z = _mm512_mask_add_epi8(z, m5, z, _mm512_set1_epi8(32));
       }
@@ -246,10 +250,11 @@ struct DotBlocks {
       op[2 * z4 + 1] = (__m512bh)_mm512_permutex2var_epi8(z, hi_pairs, c43);
     }
   }
-  inline void prefetch(int64_t v, int64_t b) const {
+  inline void prefetch(int64_t v, int64_t g, int i) const {
     // The bytes of 8 k, at their share of the super-block; the panel's two halves take alternate lines.
     constexpr int64_t kSpan = 8 * B::kBytes / Tr::kBlock;
-    const uint8_t* p = block(v, 8 * b) + (8 * b % Tr::kBlock) * B::kBytes / Tr::kBlock;
+    const int64_t kk = g % kGroups * Tr::kGroup + 8 * i;
+    const uint8_t* p = block(v, g * Tr::kGroup) + kk * B::kBytes / Tr::kBlock;
     for (int64_t line = 64 * (v & 1); line < kSpan; line += 128)
       _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T1);
   }

@@ -118,10 +118,12 @@ struct CodePanels {
   int64_t G, gs;
 
   bool has_offsets() const { return offsets != nullptr; }
-  void operands(int64_t v, int64_t b, __m512bh (&op)[4]) const { Codes::unpack(w + v * pstride + b * Codes::kBytes, op); }
-  void prefetch(int64_t v, int64_t b) const {
+  // Block i of group g (k = g gs + 8i) of panel v.
+  const uint8_t* at(int64_t v, int64_t g, int i) const { return w + v * pstride + (g * gs / kBlockK + i) * Codes::kBytes; }
+  void operands(int64_t v, int64_t g, int i, __m512bh (&op)[4]) const { Codes::unpack(at(v, g, i), op); }
+  void prefetch(int64_t v, int64_t g, int i) const {
     for (int64_t line = 0; line < Codes::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * pstride + b * Codes::kBytes + line), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(at(v, g, i) + line), _MM_HINT_T1);
   }
   __m512 scale(int64_t v, int64_t g) const {
     const __m512 s = _mm512_loadu_ps(scales + (v * G + g) * kPanel);
@@ -156,9 +158,9 @@ void tile(const Src& src, int64_t v0, const T* __restrict x, int64_t K, const fl
       if constexpr (kSumsInRegs) sums[r][v] = _mm512_setzero_ps();
       else _mm512_store_ps(acc[r][v], _mm512_setzero_ps());
     }
-  auto operands = [&](int v, int64_t b, __m512bh (&op)[4]) {
-    if (next >= 0) src.prefetch(next + v, b);
-    src.operands(v0 + v, b, op);
+  auto operands = [&](int v, int64_t g, int i, __m512bh (&op)[4]) {  // block i of group g
+    if (next >= 0) src.prefetch(next + v, g, i);
+    src.operands(v0 + v, g, i, op);
   };
   // fp32 x: the carry comes off each value (exactly), not off the sum, where it would cancel most of the sum's bits.
   constexpr bool kCarried = Src::kCarry != 0.f && !kF32;
@@ -176,25 +178,26 @@ void tile(const Src& src, int64_t v0, const T* __restrict x, int64_t K, const fl
   auto value = [&](int r, int64_t k) {  // fp32 x[r, k], broadcast
     return _mm512_set1_ps(reinterpret_cast<const float*>(x)[r * K + k]);
   };
-  const int64_t blocks_per_group = gs / kBlockK;
+  const int blocks_per_group = static_cast<int>(gs / kBlockK);
   for (int64_t g = 0; g < G; ++g) {
     __m512 gacc[R][NP];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NP; ++v) gacc[r][v] = _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+    for (int i = 0; i < blocks_per_group; ++i) {
+      const int64_t b = g * blocks_per_group + i;
       if constexpr (kF32 && R == 1) {
         __m512 xv[kBlockK];
         for (int k = 0; k < kBlockK; ++k) xv[k] = value(0, b * kBlockK + k);
         for (int v = 0; v < NP; ++v) {
           __m512bh op[4];
-          operands(v, b, op);
+          operands(v, g, i, op);
           for (int o = 0; o < 4; ++o)
             for (int j = 0; j < 2; ++j) gacc[0][v] = _mm512_fmadd_ps(xv[2 * o + j], half(op[o], j), gacc[0][v]);
         }
       } else if constexpr (kF32) {
         __m512bh op[NP][4];
-        for (int v = 0; v < NP; ++v) operands(v, b, op[v]);
+        for (int v = 0; v < NP; ++v) operands(v, g, i, op[v]);
         for (int o = 0; o < 4; ++o)
           for (int j = 0; j < 2; ++j) {
             __m512 wv[NP];
@@ -211,13 +214,13 @@ void tile(const Src& src, int64_t v0, const T* __restrict x, int64_t K, const fl
           for (int o = 0; o < 4; ++o) xb[r][o] = pair(r, b, o);
         for (int v = 0; v < NP; ++v) {
           __m512bh op[4];
-          operands(v, b, op);
+          operands(v, g, i, op);
           for (int o = 0; o < 4; ++o)
             for (int r = 0; r < R; ++r) gacc[r][v] = _mm512_dpbf16_ps(gacc[r][v], op[o], xb[r][o]);
         }
       } else {
         __m512bh op[NP][4];
-        for (int v = 0; v < NP; ++v) operands(v, b, op[v]);
+        for (int v = 0; v < NP; ++v) operands(v, g, i, op[v]);
         for (int o = 0; o < 4; ++o) {
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
