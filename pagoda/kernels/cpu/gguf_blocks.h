@@ -159,8 +159,19 @@ struct Blocks {
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && \
-    defined(__AVX512BITALG__)
+    defined(__AVX512BITALG__) && defined(__GFNI__)
 #define PAGODA_GGUF_BF16 1
+#endif
+
+#if defined(__AVX512F__)
+// A group's two epilogue terms for 16 columns: what multiplies the codes' dot product, and what multiplies the
+// group's sum of x.
+struct GroupTerms {
+  __m512 scales, xsum;
+};
+#endif
+
+#if defined(PAGODA_GGUF_BF16)
 
 // One segment as quant_panel_linear.cpp's bf16 panel driver reads it (the interface of its CodePanels), over the
 // same AVX-512 panels as Blocks: each 32-column panel is two of the driver's 16-column panels (v = 2 p + h, h: the
@@ -206,18 +217,15 @@ struct DotBlocks {
   }();
   static __m512i row(const uint8_t* t, int r) { return _mm512_loadu_si512(t + 64 * r); }
 
-  // Block i of group g (k = g kGroup + 8i) of panel v: its codes, from the half's nibbles (h: low or high).
+  // Block i of group g (k = g kGroup + 8i) of panel v: its codes, from the half's nibbles (h = v & 1: low or high).
+  // No branch on h: GCC then keeps the tile's panels unrolled and its chains in registers.
   inline void operands(int64_t v, int64_t g, int i, __m512bh (&op)[4]) const {
+    const int64_t h = v & 1;
     const uint8_t* sb = block(v, g * Tr::kGroup) + B::kMeta;
     const int64_t kk = g % kGroups * Tr::kGroup + 8 * i;
-    if (v & 1) decode<1>(sb, kk, op);
-    else decode<0>(sb, kk, op);
-  }
-  template <int H>
-  static inline void decode(const uint8_t* sb, int64_t kk, __m512bh (&op)[4]) {
     if constexpr (kWholeBytes) {  // [block][P] signed bytes: rows k, k + 1 of the half's 16 columns, interleaved
       for (int o = 0; o < 4; ++o) {
-        const uint8_t* r = sb + (kk + 2 * o) * P + 16 * H;
+        const uint8_t* r = sb + (kk + 2 * o) * P + 16 * h;
         const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + P));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, c)));
@@ -226,23 +234,25 @@ struct DotBlocks {
       }
       return;
     }
-    const __m512i nib = _mm512_set1_epi8(0x0F), c43 = _mm512_set1_epi8(0x43);
+    // GF(2) affine maps of each byte onto its low nibble (h 0) or its high nibble shifted down (h 1): one
+    // instruction for the shift and the mask, whichever the half. Row 7 - b of the matrix gives bit b.
+    const __m512i nibble = _mm512_set1_epi64(h ? 0x1020408000000000LL : 0x0102040800000000LL);
+    const __m512i c43 = _mm512_set1_epi8(0x43);
     const __m512i lo_pairs = row(kPairs.data(), 0), hi_pairs = row(kPairs.data(), 1);
     for (int z4 = 0; z4 < 2; ++z4) {  // k 4 z4 .. 4 z4 + 3
-      __m512i z = _mm512_loadu_si512(sb + (kk + 4 * z4) * W);
-      z = _mm512_and_si512(H ? _mm512_srli_epi16(z, 4) : z, nib);
+      __m512i z = _mm512_gf2p8affine_epi64_epi8(_mm512_loadu_si512(sb + (kk + 4 * z4) * W), nibble, 0);
       if constexpr (Tr::kHigh == 1) {  // a 32-bit field per k, column c at bit c
         const __m512i f = _mm512_castsi128_si512(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + Tr::kBlock * W + (kk + 4 * z4) * 4)));
         const __m512i lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), f);
-        const __mmask64 m = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * H));
+        const __mmask64 m = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h));
         z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
       } else if constexpr (Tr::kHigh == 2) {  // a 64-bit field per k, column c at bits 2c, 2c + 1
         const __m512i f = _mm512_castsi256_si512(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + Tr::kBlock * W + (kk + 4 * z4) * 8)));
         const __m512i lanes = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), f);
-        const __mmask64 m4 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * H));
-        const __mmask64 m5 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * H + 1));
+        const __mmask64 m4 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h));
+        const __mmask64 m5 = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h + 1));
         z = _mm512_mask_add_epi8(z, m4, z, _mm512_set1_epi8(16));
         z = _mm512_mask_add_epi8(z, m5, z, _mm512_set1_epi8(32));
       }
@@ -255,8 +265,8 @@ struct DotBlocks {
     constexpr int64_t kSpan = 8 * B::kBytes / Tr::kBlock;
     const int64_t kk = g % kGroups * Tr::kGroup + 8 * i;
     const uint8_t* p = block(v, g * Tr::kGroup) + kk * B::kBytes / Tr::kBlock;
-    for (int64_t line = 64 * (v & 1); line < kSpan; line += 128)
-      _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T1);
+    for (int64_t j = 0; j < (kSpan + 127) / 128; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(p + 64 * (v & 1) + 128 * j), _MM_HINT_T1);
   }
 
   __m512 d_of(const uint8_t* sb, int64_t field, int h) const {
@@ -266,22 +276,16 @@ struct DotBlocks {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
   }
-  __m512 scale(int64_t v, int64_t g) const {  // d sc (d alone without sub-block scales), exact in fp32
+  // Group g of panel v: s = d sc (d alone without sub-block scales) and -dmin m - carry s, each product exact in fp32.
+  GroupTerms group(int64_t v, int64_t g, bool carried) const {
     const int h = static_cast<int>(v & 1);
     const uint8_t* sb = block(v, g * Tr::kGroup);
-    const __m512 d = d_of(sb, 0, h);
-    if constexpr (Tr::kSubScales)
-      return _mm512_mul_ps(d, bytes_of(sb + kScOffset + g % kGroups * P + 16 * h, Tr::kSignedScales));
-    else return d;
-  }
-  __m512 xsum_coef(int64_t v, int64_t g, bool carried) const {  // -dmin m, less the carry times d sc
-    const int h = static_cast<int>(v & 1);
+    __m512 s = d_of(sb, 0, h);
+    if constexpr (Tr::kSubScales) s = _mm512_mul_ps(s, bytes_of(sb + kScOffset + g % kGroups * P + 16 * h, Tr::kSignedScales));
     __m512 o = _mm512_setzero_ps();
-    if constexpr (Tr::kMin) {
-      const uint8_t* sb = block(v, g * Tr::kGroup);
+    if constexpr (Tr::kMin)
       o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + g % kGroups * P + 16 * h, false)));
-    }
-    return carried ? _mm512_fmadd_ps(scale(v, g), _mm512_set1_ps(-kCarry), o) : o;
+    return {s, carried ? _mm512_fmadd_ps(s, _mm512_set1_ps(-kCarry), o) : o};
   }
 };
 #endif

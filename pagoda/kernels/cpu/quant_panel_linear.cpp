@@ -22,8 +22,8 @@
 // One order (batch invariance): a row's outputs must not depend on which other rows share the call, so every
 // output element is summed the same way at every row count. Per group, one fp32 chain takes the group's dot
 // products in k order (vdpbf16ps: a pair of products, then the lane's sum); the chain, times the group's
-// scales, is added to the running sum; after the last group come the offset terms group by group, then the
-// bias, and one rounding to bf16. The row count decides only how that work is tiled: rows per strip, panels per
+// scales, is added to the running sum, then the group's offset term (o - 128 s for INT4: the offsets and the
+// carry) times its sum of x; after the last group the bias, and one rounding to bf16. The row count decides only how that work is tiled: rows per strip, panels per
 // tile, which thread.
 
 #include <ATen/Parallel.h>
@@ -105,6 +105,9 @@ struct Fp8Codes {
     }
   }
 };
+// A group's two epilogue terms for 16 columns (GroupTerms in gguf_blocks.h too).
+using GroupTerms = pagoda_gguf::GroupTerms;
+
 // A weight in panels16 (PackedWeight.panels16) as the tile reads it: every panel's blocks of Codes, pstride bytes
 // apart, and fp32 scales and offsets [N/16, G, 16].
 template <typename Codes>
@@ -125,15 +128,13 @@ struct CodePanels {
     for (int64_t line = 0; line < Codes::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(at(v, g, i) + line), _MM_HINT_T1);
   }
-  __m512 scale(int64_t v, int64_t g) const {
+  // Group g of panel v: its scales (what multiplies the codes' dot product) and what multiplies its sum of x (the
+  // offsets, less the carry times the scales where the codes carried it).
+  GroupTerms group(int64_t v, int64_t g, bool carried) const {
     const __m512 s = _mm512_loadu_ps(scales + (v * G + g) * kPanel);
-    if constexpr (Codes::kScale != 1.f) return _mm512_mul_ps(s, _mm512_set1_ps(Codes::kScale));
-    else return s;
-  }
-  // What multiplies the group's sum of x: the offsets, less the carry times the scales where the codes carried it.
-  __m512 xsum_coef(int64_t v, int64_t g, bool carried) const {
     const __m512 o = offsets ? _mm512_loadu_ps(offsets + (v * G + g) * kPanel) : _mm512_setzero_ps();
-    return carried ? _mm512_fmadd_ps(_mm512_loadu_ps(scales + (v * G + g) * kPanel), _mm512_set1_ps(-kCarry), o) : o;
+    if constexpr (Codes::kScale != 1.f) return {_mm512_mul_ps(s, _mm512_set1_ps(Codes::kScale)), o};
+    else return {s, carried ? _mm512_fmadd_ps(s, _mm512_set1_ps(-kCarry), o) : o};
   }
 };
 
@@ -212,6 +213,7 @@ void tile(const Src& src, int64_t v0, const T* __restrict x, int64_t K, const fl
         __m512bh xb[R][4];
         for (int r = 0; r < R; ++r)
           for (int o = 0; o < 4; ++o) xb[r][o] = pair(r, b, o);
+#pragma GCC unroll 4
         for (int v = 0; v < NP; ++v) {
           __m512bh op[4];
           operands(v, g, i, op);
@@ -230,11 +232,17 @@ void tile(const Src& src, int64_t v0, const T* __restrict x, int64_t K, const fl
         }
       }
     }
+    const bool xsum_terms = kCarried || src.has_offsets();
     for (int v = 0; v < NP; ++v) {
-      const __m512 s = src.scale(v0 + v, g);
+      const GroupTerms t = src.group(v0 + v, g, kCarried);
       for (int r = 0; r < R; ++r) {
-        if constexpr (kSumsInRegs) sums[r][v] = _mm512_fmadd_ps(gacc[r][v], s, sums[r][v]);
-        else _mm512_store_ps(acc[r][v], _mm512_fmadd_ps(gacc[r][v], s, _mm512_load_ps(acc[r][v])));
+        __m512 a;
+        if constexpr (kSumsInRegs) a = sums[r][v];
+        else a = _mm512_load_ps(acc[r][v]);
+        a = _mm512_fmadd_ps(gacc[r][v], t.scales, a);
+        if (xsum_terms) a = _mm512_fmadd_ps(t.xsum, _mm512_set1_ps(xs[r * G + g]), a);
+        if constexpr (kSumsInRegs) sums[r][v] = a;
+        else _mm512_store_ps(acc[r][v], a);
       }
     }
   }
@@ -243,11 +251,6 @@ void tile(const Src& src, int64_t v0, const T* __restrict x, int64_t K, const fl
     for (int r = 0; r < R; ++r) {
       if constexpr (kSumsInRegs) a[r] = sums[r][v];
       else a[r] = _mm512_load_ps(acc[r][v]);
-    }
-    for (int64_t g = 0; g < G && (kCarried || src.has_offsets()); ++g) {
-      // The carry and the offsets (o - carry s, one FMA), times the group's sum of x.
-      const __m512 z = src.xsum_coef(v0 + v, g, kCarried);
-      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), a[r]);
     }
     const __m512 bv = bias ? _mm512_loadu_ps(bias + (v0 + v) * kPanel) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
