@@ -176,7 +176,8 @@ struct GroupTerms {
 // One segment as quant_panel_linear.cpp's bf16 panel driver reads it (the interface of its CodePanels), over the
 // same AVX-512 panels as Blocks: each 32-column panel is two of the driver's 16-column panels (v = 2 p + h, h: the
 // low or high nibbles), and per block of 8 k a panel's codes become four vdpbf16ps operands, operand o holding
-// k = 2o + j of column c at word 2c + j. A code q of up to 7 bits becomes the word 0x43qq, the bf16 number 128 + q
+// k = 2o + j of column c at word 2c + j (one byte permute per 4 k, then unpacks against 0x43 bytes, as the INT4
+// panels' codes). A code q of up to 7 bits becomes the word 0x43qq, the bf16 number 128 + q
 // exactly (as the INT4 panels' codes), so each product with a bf16 x is exact in fp32, and the group epilogue takes
 // the carry 128 + bias off with the offsets: w x = s (128 + q) x + (o - (128 + bias) s) x. Q8_0's signed bytes
 // become the bf16 integers they are, through fp32 (as Int8Codes). Blocks::load is the reference each decodes as.
@@ -190,20 +191,25 @@ struct DotBlocks {
   static constexpr int64_t kScOffset = 2 * P * (Tr::kMin ? 2 : 1);  // the sub-block scales, after d (and dmin)
   static constexpr int64_t kMOffset = 4 * P + kGroups * P;         // the mins, after the scales
 
-  const uint8_t* w;  // [panels of P, K / block, B::kBytes]
-  int64_t G, gs, nsb;
+  static constexpr int64_t gs = Tr::kGroup;  // a constant: the tile's blocks of a group unroll whole
+  const uint8_t* w;                            // [panels of P, K / block, B::kBytes]
+  int64_t G, nsb;
 
-  DotBlocks(const uint8_t* data, int64_t k) : w(data), G(k / Tr::kGroup), gs(Tr::kGroup), nsb(k / Tr::kBlock) {}
+  DotBlocks(const uint8_t* data, int64_t k) : w(data), G(k / Tr::kGroup), nsb(k / Tr::kBlock) {}
   static constexpr bool has_offsets() { return Tr::kMin; }
 
   // The super-block of 16-column panel v that holds k.
   const uint8_t* block(int64_t v, int64_t k) const { return w + ((v >> 1) * nsb + k / Tr::kBlock) * B::kBytes; }
 
-  // vpermt2b's selectors for the words 0x43qq of operands (k0, k1) and (k2, k3): word 2c + j from z's byte
-  // 16 (2 half + j) + c (z: 4 k x 16 columns of codes), then byte 0 of the 0x43 vector.
-  static constexpr std::array<uint8_t, 128> kPairs = [] {
-    std::array<uint8_t, 128> t{};
-    for (int i = 0; i < 128; ++i) t[i] = i % 2 ? 64 : static_cast<uint8_t>(16 * (2 * (i / 64) + i / 2 % 2) + i % 64 / 4);
+  // vpermb's selectors that put z's codes (z: 4 k x 16 columns, byte 16 i + c) where unpacklo/hi_epi8 against 0x43
+  // make the words 0x43qq of operands (k0, k1) and (k2, k3): word w = 8 L + m of 128-bit lane L takes byte m (lo) or
+  // 8 + m (hi) of that lane, and holds k = 2 half + w % 2 of column w / 2.
+  static constexpr std::array<uint8_t, 64> kLanes = [] {
+    std::array<uint8_t, 64> t{};
+    for (int i = 0; i < 64; ++i) {
+      const int w = 8 * (i / 16) + i % 8, half = i % 16 / 8;
+      t[i] = static_cast<uint8_t>(16 * (2 * half + w % 2) + w / 2);
+    }
     return t;
   }();
   // bitshuffle's selectors for z's byte 16 i + j (k i, column c = 16 h + j), each in the 64-bit lane 2 i + j / 8 that
@@ -238,7 +244,7 @@ struct DotBlocks {
     // instruction for the shift and the mask, whichever the half. Row 7 - b of the matrix gives bit b.
     const __m512i nibble = _mm512_set1_epi64(h ? 0x1020408000000000LL : 0x0102040800000000LL);
     const __m512i c43 = _mm512_set1_epi8(0x43);
-    const __m512i lo_pairs = row(kPairs.data(), 0), hi_pairs = row(kPairs.data(), 1);
+    const __m512i lanes_of = row(kLanes.data(), 0);
     for (int z4 = 0; z4 < 2; ++z4) {  // k 4 z4 .. 4 z4 + 3
       __m512i z = _mm512_gf2p8affine_epi64_epi8(_mm512_loadu_si512(sb + (kk + 4 * z4) * W), nibble, 0);
       if constexpr (Tr::kHigh == 1) {  // a 32-bit field per k, column c at bit c
@@ -256,8 +262,9 @@ struct DotBlocks {
         z = _mm512_mask_add_epi8(z, m4, z, _mm512_set1_epi8(16));
         z = _mm512_mask_add_epi8(z, m5, z, _mm512_set1_epi8(32));
       }
-      op[2 * z4] = (__m512bh)_mm512_permutex2var_epi8(z, lo_pairs, c43);
-      op[2 * z4 + 1] = (__m512bh)_mm512_permutex2var_epi8(z, hi_pairs, c43);
+      z = _mm512_permutexvar_epi8(lanes_of, z);
+      op[2 * z4] = (__m512bh)_mm512_unpacklo_epi8(z, c43);
+      op[2 * z4 + 1] = (__m512bh)_mm512_unpackhi_epi8(z, c43);
     }
   }
   inline void prefetch(int64_t v, int64_t g, int i) const {
