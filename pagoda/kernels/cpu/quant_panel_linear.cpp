@@ -105,7 +105,7 @@ struct Fp8Codes {
     }
   }
 };
-// A group's two epilogue terms for 16 columns (GroupTerms in gguf_blocks.h too).
+// The two epilogue terms of a group (gguf_blocks.h: DotBlocks returns them too).
 using GroupTerms = pagoda_gguf::GroupTerms;
 
 // A weight in panels16 (PackedWeight.panels16) as the tile reads it: every panel's blocks of Codes, pstride bytes
