@@ -213,6 +213,12 @@ struct DotBlocks {
     }
     return t;
   }();
+  // vpermw's selectors from rows k (words 0-15) and k + 1 (words 16-31) to word 2c + j = row k + j, column c.
+  static constexpr std::array<uint8_t, 64> kWordPairs = [] {
+    std::array<uint8_t, 64> t{};
+    for (int i = 0; i < 32; ++i) t[2 * i] = static_cast<uint8_t>(16 * (i % 2) + i / 2);  // little-endian 16-bit
+    return t;
+  }();
   // bitshuffle's selectors for z's byte 16 i + j (k i, column c = 16 h + j), each in the 64-bit lane 2 i + j / 8 that
   // holds k i's field: bit c (kHigh 1), or bits 2c and 2c + 1 (kHigh 2); one row of 64 per (h, bit).
   static constexpr std::array<uint8_t, 256> kBits = [] {
@@ -230,14 +236,14 @@ struct DotBlocks {
     const int64_t h = v & 1;
     const uint8_t* sb = block(v, g * Tr::kGroup) + B::kMeta;
     const int64_t kk = g % kGroups * Tr::kGroup + 8 * i;
-    if constexpr (kWholeBytes) {  // [block][P] signed bytes: rows k, k + 1 of the half's 16 columns, interleaved
+    if constexpr (kWholeBytes) {  // [block][P] signed bytes: rows k, k + 1 of the half's 16 columns, each exact in bf16
+      const __m512i pairs = row(kWordPairs.data(), 0);
       for (int o = 0; o < 4; ++o) {
         const uint8_t* r = sb + (kk + 2 * o) * P + 16 * h;
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
-        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + P));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, c)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, c)));
-        op[o] = _mm512_cvtne2ps_pbh(hi, lo);  // words 0-15 from lo, 16-31 from hi
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r))));
+        const __m512 c =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + P))));
+        op[o] = (__m512bh)_mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(c, a));  // words 2c + j
       }
       return;
     }
