@@ -177,11 +177,11 @@ struct GroupTerms {
 // One segment as quant_panel_linear.cpp's bf16 panel driver reads it (the interface of its CodePanels), over the
 // same AVX-512 panels as Blocks: each 32-column panel is two of the driver's 16-column panels (v = 2 p + h, h: the
 // low or high nibbles), and per block of 8 k a panel's codes become four vdpbf16ps operands, operand o holding
-// k = 2o + j of column c at word 2c + j (one byte permute per 4 k, then unpacks against 0x43 bytes, as the INT4
-// panels' codes). A code q of up to 7 bits becomes the word 0x43qq, the bf16 number 128 + q
-// exactly (as the INT4 panels' codes), so each product with a bf16 x is exact in fp32, and the group epilogue takes
-// the carry 128 + bias off with the offsets: w x = s (128 + q) x + (o - (128 + bias) s) x. Q8_0's signed bytes
-// become the bf16 integers they are, through fp32 (as Int8Codes). Blocks::load is the reference each decodes as.
+// k = 2o + j of column c at word 2c + j (one byte permute per 4 k, then unpacks against 0x43 bytes). A code q of up
+// to 7 bits becomes the word 0x43qq, the bf16 number 128 + q exactly (as the INT4 panels' codes), so each product
+// with a bf16 x is exact in fp32, and the group epilogue takes the carry 128 + bias off with the offsets:
+// w x = s (128 + q) x + (o - (128 + bias) s) x. Q8_0's signed bytes become the bf16 integers they are, through fp32
+// (as Int8Codes). Blocks::load is the reference each decodes as.
 template <int64_t T>
 struct DotBlocks {
   using B = Blocks<T>;
@@ -225,7 +225,8 @@ struct DotBlocks {
     std::array<uint8_t, 256> t{};
     for (int r = 0; r < 4; ++r)  // r = 2 h + bit
       for (int i = 0; i < 64; ++i)
-        t[64 * r + i] = static_cast<uint8_t>(Tr::kHigh == 2 ? 2 * (16 * (r / 2) + i % 16) + r % 2 : 16 * (r / 2) + i % 16);
+        t[64 * r + i] =
+            static_cast<uint8_t>(Tr::kHigh == 2 ? 2 * (16 * (r / 2) + i % 16) + r % 2 : 16 * (r / 2) + i % 16);
     return t;
   }();
   static __m512i row(const uint8_t* t, int r) { return _mm512_loadu_si512(t + 64 * r); }
@@ -236,13 +237,14 @@ struct DotBlocks {
     const int64_t h = v & 1;
     const uint8_t* sb = block(v, g * Tr::kGroup) + B::kMeta;
     const int64_t kk = g % kGroups * Tr::kGroup + 8 * i;
-    if constexpr (kWholeBytes) {  // [block][P] signed bytes: rows k, k + 1 of the half's 16 columns, each exact in bf16
+    if constexpr (kWholeBytes) {  // [block][P] signed bytes: rows k, k + 1 of the half's 16 columns, exact in bf16
       const __m512i pairs = row(kWordPairs.data(), 0);
       for (int o = 0; o < 4; ++o) {
         const uint8_t* r = sb + (kk + 2 * o) * P + 16 * h;
-        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r))));
-        const __m512 c =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + P))));
+        auto row16 = [](const uint8_t* q) {  // 16 signed bytes as fp32
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        };
+        const __m512 a = row16(r), c = row16(r + P);
         op[o] = (__m512bh)_mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(c, a));  // words 2c + j
       }
       return;
@@ -257,7 +259,8 @@ struct DotBlocks {
       if constexpr (Tr::kHigh == 1) {  // a 32-bit field per k, column c at bit c
         const __m512i f = _mm512_castsi128_si512(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + Tr::kBlock * W + (kk + 4 * z4) * 4)));
-        const __m512i lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), f);
+        const __m512i lanes =
+            _mm512_permutexvar_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), f);
         const __mmask64 m = _mm512_bitshuffle_epi64_mask(lanes, row(kBits.data(), 2 * h));
         z = _mm512_mask_add_epi8(z, m, z, _mm512_set1_epi8(16));
       } else if constexpr (Tr::kHigh == 2) {  // a 64-bit field per k, column c at bits 2c, 2c + 1
@@ -295,10 +298,10 @@ struct DotBlocks {
     const int h = static_cast<int>(v & 1);
     const uint8_t* sb = block(v, g * Tr::kGroup);
     __m512 s = d_of(sb, 0, h);
-    if constexpr (Tr::kSubScales) s = _mm512_mul_ps(s, bytes_of(sb + kScOffset + g % kGroups * P + 16 * h, Tr::kSignedScales));
+    const int64_t j = g % kGroups * P + 16 * h;  // the half's bytes of sub-block g
+    if constexpr (Tr::kSubScales) s = _mm512_mul_ps(s, bytes_of(sb + kScOffset + j, Tr::kSignedScales));
     __m512 o = _mm512_setzero_ps();
-    if constexpr (Tr::kMin)
-      o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + g % kGroups * P + 16 * h, false)));
+    if constexpr (Tr::kMin) o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + j, false)));
     return {s, carried ? _mm512_fmadd_ps(s, _mm512_set1_ps(-kCarry), o) : o};
   }
 };

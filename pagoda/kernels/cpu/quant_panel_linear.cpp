@@ -23,8 +23,8 @@
 // output element is summed the same way at every row count. Per group, one fp32 chain takes the group's dot
 // products in k order (vdpbf16ps: a pair of products, then the lane's sum); the chain, times the group's
 // scales, is added to the running sum, then the group's offset term (o - 128 s for INT4: the offsets and the
-// carry) times its sum of x; after the last group the bias, and one rounding to bf16. The row count decides only how that work is tiled: rows per strip, panels per
-// tile, which thread.
+// carry) times its sum of x; after the last group the bias, and one rounding to bf16. The row count decides only
+// how that work is tiled: rows per strip, panels per tile, which thread.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -122,7 +122,9 @@ struct CodePanels {
 
   bool has_offsets() const { return offsets != nullptr; }
   // Block i of group g (k = g gs + 8i) of panel v.
-  const uint8_t* at(int64_t v, int64_t g, int i) const { return w + v * pstride + (g * gs / kBlockK + i) * Codes::kBytes; }
+  const uint8_t* at(int64_t v, int64_t g, int i) const {
+    return w + v * pstride + (g * gs / kBlockK + i) * Codes::kBytes;
+  }
   void operands(int64_t v, int64_t g, int i, __m512bh (&op)[4]) const { Codes::unpack(at(v, g, i), op); }
   void prefetch(int64_t v, int64_t g, int i) const {
     for (int64_t line = 0; line < Codes::kBytes; line += 64)
