@@ -5,6 +5,10 @@ dense Linear runs), Pagoda's C++ streaming kernel per format
 (cpu/quant_linear.cpp), torch's packed ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu with
 bf16 activations) and dequantize-then-F.linear in bf16. Prints microseconds per call.
 
+`--gguf Q4_K,Q5_K,Q6_K,Q5_0,Q8_0` times GGUF blocks instead, per type whose block divides K: held as stored (format
+"gguf", the kernel the engine runs) against the same weights as INT4/INT8 codes in panels (the path these types took
+before they kept their blocks), with `--act-dtype` activations.
+
 `--model-sweep float32|bfloat16|int4|fp8` times the dense (or quantized) kernels the way a step meets them
 instead: every one of SmolLM2's 30 layers with its own weights (cold in cache) plus the LM
 head, one call each, rounds alternating between the kernels, best of `--rounds`; milliseconds per step. The
@@ -18,6 +22,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +86,46 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         out["int4 aten int4pack"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz)
     except RuntimeError:
         pass
+    return out
+
+
+def _random_blocks(qtype: int, n: int, k: int) -> np.ndarray:
+    """Valid GGUF blocks uint8 [n, bytes]: gguf-py's quantizer where it has one, else random bytes (every code and
+    sub-block scale) with small finite fp16 fields."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    try:
+        return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.02, T(qtype))
+    except NotImplementedError:
+        pass
+    block, size = GGML_QUANT_SIZES[T(qtype)]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}[T(qtype)]:  # d, dmin: fp16
+        d = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def gguf_candidates(k: int, n: int, m: int, types: list[str], act: torch.dtype) -> dict[str, Callable[[], object]]:
+    """Per GGUF type whose block divides K: its blocks as stored against its weights as codes."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as T
+
+    from pagoda.quantization.gguf_native import packed_from_blocks, stored_weight
+
+    x = torch.randn(m, k).to(act)
+    out: dict[str, Callable[[], object]] = {}
+    for name in types:
+        qtype = int(T[name])
+        if k % GGML_QUANT_SIZES[T(qtype)][0]:
+            continue
+        raw = _random_blocks(qtype, n, k)
+        for path, pw in (("gguf", stored_weight(raw, qtype, k)), ("codes", packed_from_blocks(raw, qtype, k))):
+            pw = kernel_layout(pw, act)
+            out[f"{name} {path}"] = lambda pw=pw: quant_linear(x, pw, None, use_cpp=True)
     return out
 
 
@@ -160,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-sweep", choices=["float32", "bfloat16", "int4", "fp8"], default=None,
                     help="time the dense (or quantized) kernels over a whole model's linears per step (cold weights)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--gguf", default=None, help="GGUF types (Q4_K,Q5_K,Q6_K,Q5_0,Q8_0): their blocks as stored "
+                    "against their codes, instead of the default candidates")
     ap.add_argument("--act-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="activations of the quantized sweeps")
     ap.add_argument("--kernels", choices=list(BUILDS), default=None, help="the C++ kernel build to load (default: "
@@ -176,7 +223,11 @@ def main(argv: list[str] | None = None) -> None:
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     for k, n in shapes:
         for m in (int(v) for v in args.m.split(",")):
-            row = {name: _time(fn) for name, fn in candidates(k, n, m).items()}
+            fns = candidates(k, n, m) if args.gguf is None else \
+                gguf_candidates(k, n, m, args.gguf.split(","), getattr(torch, args.act_dtype))
+            row = {name: _time(fn) for name, fn in fns.items()}
+            if not row:
+                continue
             best = min(row, key=row.get)
             cells = "  ".join(f"{name}={us:8.1f}" for name, us in row.items())
             print(f"K={k:5d} N={n:6d} M={m:4d}  {cells}  best: {best}", flush=True)

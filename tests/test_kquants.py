@@ -70,19 +70,31 @@ def test_kernel_equals_gguf_py_weights_times_x_at_every_row_count(qtype: T) -> N
         assert torch.equal(got, full[:m])  # batch invariance: a row's bits do not depend on the rows beside it
 
 
+def assert_bf16_of(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 2e-5) -> None:
+    """got (bf16) == x @ w^T rounded once to bf16: within half a bf16 unit of the float64 product (2^-8 of it) plus
+    rel x (|x| @ |w|^T) for the fp32 sums, elementwise."""
+    want = x.double() @ w.double().T
+    bound = 2 ** -8 * want.abs() + rel * (x.double().abs() @ w.double().abs().T) + 1e-30
+    worst = ((got.double() - want).abs() / bound).max().item()
+    assert worst <= 1, f"off by {worst:.2f} x the bound"
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_bf16_activations_are_the_fp32_sums_rounded_once(qtype: T) -> None:
-    n, k = 64, 256 if qtype not in (T.Q5_0, T.Q8_0) else 96
+def test_bf16_activations_dot_the_codes_with_the_same_sums_at_every_row_count(qtype: T) -> None:
+    """bf16 x: the codes as bf16 numbers in dot products with x (the AVX512-BF16 builds), scales and offsets in each
+    group's epilogue: gguf-py's weights times x rounded once, and a row's bits whatever rows share the call."""
+    n, k = 96, 512 if qtype not in (T.Q5_0, T.Q8_0) else 96
     raw = random_blocks(qtype, n, k, seed=1)
+    ref = reference(raw, qtype)
     pw = prepared(raw, qtype, k, torch.bfloat16)
     x = torch.randn(max(ROWS), k).bfloat16()
     full = quant_linear(x, pw, None)
     assert full.dtype == torch.bfloat16
     for m in ROWS:
         got = quant_linear(x[:m], pw, None)
-        assert torch.equal(got, quant_linear(x[:m].float(), pw, None).bfloat16())
-        assert torch.equal(got, full[:m])
-    assert_sums_of(full.float(), x.float(), reference(raw, qtype), 2 ** -8)
+        assert torch.equal(got, full[:m])  # batch invariance
+        assert_bf16_of(got, x[:m].float(), ref)
+        assert torch.equal(quant_linear(x[m - 1:m], pw, None), full[m - 1:m])  # the last row alone
 
 
 def test_bias_and_a_fused_weight_of_two_types() -> None:
@@ -99,6 +111,24 @@ def test_bias_and_a_fused_weight_of_two_types() -> None:
     rows = torch.tensor([95, 0, 70, 3, 64])  # an embedding's lookups, across the segments, from both layouts
     torch.testing.assert_close(pw.dequantize_rows(rows), ref[rows], rtol=0, atol=0)
     torch.testing.assert_close(fused.dequantize_rows(rows), ref[rows], rtol=0, atol=0)
+
+
+def test_bf16_activations_through_a_weight_of_every_type_with_bias() -> None:
+    """One fused weight of a segment of each type, bf16 x: each segment through its own decoder into its columns,
+    the bias added once, at every row count with the same bits per row."""
+    k = 256
+    parts = [(qtype, random_blocks(qtype, 32 * (i % 2 + 1), k, seed=10 + i)) for i, qtype in enumerate(TYPES)]
+    fused = PackedWeight.cat([stored_weight(raw, int(qtype), k) for qtype, raw in parts])
+    ref = torch.cat([reference(raw, qtype) for qtype, raw in parts])
+    pw = kernel_layout(fused, torch.bfloat16)
+    assert [t for t, _, _ in gguf_blocks.segments(pw.scales)] == [int(t) for t in TYPES]
+    bias = torch.randn(ref.shape[0])
+    x = torch.randn(max(ROWS), k).bfloat16()
+    full = quant_linear(x, pw, bias)
+    for m in ROWS:
+        got = quant_linear(x[:m], pw, bias)
+        assert torch.equal(got, full[:m])
+        assert_bf16_of(got, torch.cat([x[:m].float(), torch.ones(m, 1)], 1), torch.cat([ref, bias[:, None]], 1))
 
 
 def test_q8_0_codes_fuse_with_gguf_blocks_as_the_q8_0_blocks_they_are() -> None:

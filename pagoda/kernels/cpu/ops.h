@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 
 namespace pagoda_cpu {
@@ -53,6 +54,12 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x, const at::Tensor& codes, con
 // byte offset) (quant_vpanel_linear.cpp, gguf_blocks.h)
 at::Tensor gguf_vpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& table,
                               const c10::optional<at::Tensor>& bias);
+
+// One GGUF segment (GGML type `type`, `rows` output rows in gguf_blocks.h's AVX-512 panels at `data`) times bf16 x
+// [M, K] into y (ldy apart, bias from the segment's first row) through the bf16 panel driver; false where this build
+// has no bf16 decoder for it (quant_panel_linear.cpp).
+bool gguf_panel_segment(const c10::BFloat16* x, int64_t M, int64_t K, int64_t type, const uint8_t* data,
+                        int64_t rows, const float* bias, c10::BFloat16* y, int64_t ldy);
 
 // One linear whose weight is held in format `fmt` (linear_formats.h: kDense the weight, kPanels its panels, else the
 // codes with their scales and offsets), through that format's few-row kernel (linear_formats.cpp).

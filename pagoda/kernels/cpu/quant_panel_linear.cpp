@@ -1,6 +1,9 @@
 // y = x @ dequant(w)^T (+ bias) for INT4, INT8 and FP8 weights laid out in panels of 16 output columns,
 // with bf16 or fp32 activations (built with AVX512-BF16), at every row count. INT8 codes become bf16 integers
-// and FP8 codes bf16 bit patterns (see Int8Codes, Fp8Codes); the layout below is INT4's.
+// and FP8 codes bf16 bit patterns (see Int8Codes, Fp8Codes); the layout below is INT4's. The driver (tile, run)
+// reads its weight through a source (CodePanels here; gguf_blocks.h's DotBlocks, GGUF blocks as stored, with bf16
+// activations): per panel and block of 8 k four vdpbf16ps operands, per panel and group the scales and the
+// coefficient of the group's sum of x.
 //
 // Why panels: the row-major kernel (quant_linear.cpp) reduces every output across a vector and applies
 // scales one row at a time, which costs about as many instructions as the dot products. Here one 64-byte
@@ -19,9 +22,9 @@
 // One order (batch invariance): a row's outputs must not depend on which other rows share the call, so every
 // output element is summed the same way at every row count. Per group, one fp32 chain takes the group's dot
 // products in k order (vdpbf16ps: a pair of products, then the lane's sum); the chain, times the group's
-// scales, is added to the running sum; after the last group come the offset terms group by group, then the
-// bias, and one rounding to bf16. The row count decides only how that work is tiled: rows per strip, panels per
-// tile, which thread.
+// scales, is added to the running sum, then the group's offset term (o - 128 s for INT4: the offsets and the
+// carry) times its sum of x; after the last group the bias, and one rounding to bf16. The row count decides only
+// how that work is tiled: rows per strip, panels per tile, which thread.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,6 +39,7 @@
 #include <vector>
 
 #include "dispatch_rows.h"
+#include "gguf_blocks.h"
 #include "ops.h"
 #include "quant_decode.h"
 #include "vec_bf16.h"
@@ -101,20 +105,55 @@ struct Fp8Codes {
     }
   }
 };
-// Rows [0, R) of x (T: bf16 or fp32) against NP panels starting at w (panels pstride bytes apart), in the one
-// order above. bf16 x: one vdpbf16ps per pair of k; fp32 x: each operand's words split into the fp32 values of
-// its two k (the same numbers: a bf16 is the top half of an fp32) for one FMA each, so every product is exact
-// and every sum fp32, as in the row-major fp32 kernel. A group's chains (R * NP) live in registers; the running
-// sums too where R * NP <= 12, else in `acc` (L1). Up to 2 rows (bf16) or 1 (fp32), each block's x is broadcast
-// once and each panel's codes unpacked where they are used; more rows unpack every panel first and broadcast
-// each value (pair) of x once for all of them.
-template <typename Codes, typename T, int R, int NP>
-void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t pstride,
-          const float* __restrict scales, const float* __restrict offsets, int64_t G, int64_t gs,
-          const float* __restrict xs, const float* __restrict bias, T* __restrict y, int64_t ldy,
-          const uint8_t* next) {
+// The two epilogue terms of a group (gguf_blocks.h: DotBlocks returns them too).
+using GroupTerms = pagoda_gguf::GroupTerms;
+
+// A weight in panels16 (PackedWeight.panels16) as the tile reads it: every panel's blocks of Codes, pstride bytes
+// apart, and fp32 scales and offsets [N/16, G, 16].
+template <typename Codes>
+struct CodePanels {
+  // The value each code's bf16 carries on top of its own (the INT4 codes' 128), taken off in the epilogue.
+  static constexpr float kCarry = Codes::kCarries128 ? 128.f : 0.f;
+  const uint8_t* w;
+  int64_t pstride;
+  const float* scales;
+  const float* offsets;  // or null
+  int64_t G, gs;
+
+  bool has_offsets() const { return offsets != nullptr; }
+  // Block i of group g (k = g gs + 8i) of panel v.
+  const uint8_t* at(int64_t v, int64_t g, int i) const {
+    return w + v * pstride + (g * gs / kBlockK + i) * Codes::kBytes;
+  }
+  void operands(int64_t v, int64_t g, int i, __m512bh (&op)[4]) const { Codes::unpack(at(v, g, i), op); }
+  void prefetch(int64_t v, int64_t g, int i) const {
+    for (int64_t line = 0; line < Codes::kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(at(v, g, i) + line), _MM_HINT_T1);
+  }
+  // Group g of panel v: its scales (what multiplies the codes' dot product) and what multiplies its sum of x (the
+  // offsets, less the carry times the scales where the codes carried it).
+  GroupTerms group(int64_t v, int64_t g, bool carried) const {
+    const __m512 s = _mm512_loadu_ps(scales + (v * G + g) * kPanel);
+    const __m512 o = offsets ? _mm512_loadu_ps(offsets + (v * G + g) * kPanel) : _mm512_setzero_ps();
+    if constexpr (Codes::kScale != 1.f) return {_mm512_mul_ps(s, _mm512_set1_ps(Codes::kScale)), o};
+    else return {s, carried ? _mm512_fmadd_ps(s, _mm512_set1_ps(-kCarry), o) : o};
+  }
+};
+
+// Rows [0, R) of x (T: bf16 or fp32) against panels [v0, v0 + NP) of src, in the one order above; y and bias are
+// indexed by panel from the source's first column. bf16 x: one vdpbf16ps per pair of k; fp32 x: each operand's
+// words split into the fp32 values of its two k (the same numbers: a bf16 is the top half of an fp32) for one FMA
+// each, so every product is exact and every sum fp32, as in the row-major fp32 kernel. A group's chains (R * NP)
+// live in registers; the running sums too where R * NP <= 12, else in `acc` (L1). Up to 2 rows (bf16) or 1 (fp32),
+// each block's x is broadcast once and each panel's codes unpacked where they are used; more rows unpack every
+// panel first and broadcast each value (pair) of x once for all of them. next: the first panel of the tile to
+// prefetch, or -1.
+template <typename Src, typename T, int R, int NP>
+void tile(const Src& src, int64_t v0, const T* __restrict x, int64_t K, const float* __restrict xs,
+          const float* __restrict bias, T* __restrict y, int64_t ldy, int64_t next) {
   constexpr bool kF32 = std::is_same_v<T, float>;
   constexpr bool kSumsInRegs = R * NP <= 12;
+  const int64_t G = src.G, gs = src.gs;
   __m512 sums[kSumsInRegs ? R : 1][kSumsInRegs ? NP : 1];
   alignas(64) float acc[kSumsInRegs ? 1 : R][kSumsInRegs ? 1 : NP][kPanel];
   for (int r = 0; r < R; ++r)
@@ -122,21 +161,18 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
       if constexpr (kSumsInRegs) sums[r][v] = _mm512_setzero_ps();
       else _mm512_store_ps(acc[r][v], _mm512_setzero_ps());
     }
-  auto operands = [&](int v, int64_t b, __m512bh (&op)[4]) {
-    if (next)
-      for (int64_t line = 0; line < Codes::kBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + v * pstride + b * Codes::kBytes + line), _MM_HINT_T1);
-    Codes::unpack(w + v * pstride + b * Codes::kBytes, op);
+  auto operands = [&](int v, int64_t g, int i, __m512bh (&op)[4]) {  // block i of group g
+    if (next >= 0) src.prefetch(next + v, g, i);
+    src.operands(v0 + v, g, i, op);
   };
-  // fp32 x: the 128 an INT4 code carries comes off each value (exactly), not off the sum, where it would cancel
-  // most of the sum's bits.
-  constexpr bool kCarries128 = Codes::kCarries128 && !kF32;
+  // fp32 x: the carry comes off each value (exactly), not off the sum, where it would cancel most of the sum's bits.
+  constexpr bool kCarried = Src::kCarry != 0.f && !kF32;
   // Operand o's k = 2o + j (j = 0: low words; 1: high words) as 16 fp32 column values.
   auto half = [](__m512bh op, int j) {
     const __m512i words = (__m512i)op;
     const __m512 w = _mm512_castsi512_ps(j ? _mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))
                                            : _mm512_slli_epi32(words, 16));
-    if constexpr (Codes::kCarries128) return _mm512_sub_ps(w, _mm512_set1_ps(128.f));
+    if constexpr (Src::kCarry != 0.f) return _mm512_sub_ps(w, _mm512_set1_ps(Src::kCarry));
     else return w;
   };
   auto pair = [&](int r, int64_t b, int o) {  // bf16 x[r, 8b + 2o : 8b + 2o + 2], broadcast
@@ -145,25 +181,26 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
   auto value = [&](int r, int64_t k) {  // fp32 x[r, k], broadcast
     return _mm512_set1_ps(reinterpret_cast<const float*>(x)[r * K + k]);
   };
-  const int64_t blocks_per_group = gs / kBlockK;
+  const int blocks_per_group = static_cast<int>(gs / kBlockK);
   for (int64_t g = 0; g < G; ++g) {
     __m512 gacc[R][NP];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NP; ++v) gacc[r][v] = _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+    for (int i = 0; i < blocks_per_group; ++i) {
+      const int64_t b = g * blocks_per_group + i;
       if constexpr (kF32 && R == 1) {
         __m512 xv[kBlockK];
         for (int k = 0; k < kBlockK; ++k) xv[k] = value(0, b * kBlockK + k);
         for (int v = 0; v < NP; ++v) {
           __m512bh op[4];
-          operands(v, b, op);
+          operands(v, g, i, op);
           for (int o = 0; o < 4; ++o)
             for (int j = 0; j < 2; ++j) gacc[0][v] = _mm512_fmadd_ps(xv[2 * o + j], half(op[o], j), gacc[0][v]);
         }
       } else if constexpr (kF32) {
         __m512bh op[NP][4];
-        for (int v = 0; v < NP; ++v) operands(v, b, op[v]);
+        for (int v = 0; v < NP; ++v) operands(v, g, i, op[v]);
         for (int o = 0; o < 4; ++o)
           for (int j = 0; j < 2; ++j) {
             __m512 wv[NP];
@@ -178,15 +215,16 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
         __m512bh xb[R][4];
         for (int r = 0; r < R; ++r)
           for (int o = 0; o < 4; ++o) xb[r][o] = pair(r, b, o);
+#pragma GCC unroll 4
         for (int v = 0; v < NP; ++v) {
           __m512bh op[4];
-          operands(v, b, op);
+          operands(v, g, i, op);
           for (int o = 0; o < 4; ++o)
             for (int r = 0; r < R; ++r) gacc[r][v] = _mm512_dpbf16_ps(gacc[r][v], op[o], xb[r][o]);
         }
       } else {
         __m512bh op[NP][4];
-        for (int v = 0; v < NP; ++v) operands(v, b, op[v]);
+        for (int v = 0; v < NP; ++v) operands(v, g, i, op[v]);
         for (int o = 0; o < 4; ++o) {
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
@@ -196,12 +234,17 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
         }
       }
     }
+    const bool xsum_terms = kCarried || src.has_offsets();
     for (int v = 0; v < NP; ++v) {
-      __m512 s = _mm512_loadu_ps(scales + (v * G + g) * kPanel);
-      if constexpr (Codes::kScale != 1.f) s = _mm512_mul_ps(s, _mm512_set1_ps(Codes::kScale));
+      const GroupTerms t = src.group(v0 + v, g, kCarried);
       for (int r = 0; r < R; ++r) {
-        if constexpr (kSumsInRegs) sums[r][v] = _mm512_fmadd_ps(gacc[r][v], s, sums[r][v]);
-        else _mm512_store_ps(acc[r][v], _mm512_fmadd_ps(gacc[r][v], s, _mm512_load_ps(acc[r][v])));
+        __m512 a;
+        if constexpr (kSumsInRegs) a = sums[r][v];
+        else a = _mm512_load_ps(acc[r][v]);
+        a = _mm512_fmadd_ps(gacc[r][v], t.scales, a);
+        if (xsum_terms) a = _mm512_fmadd_ps(t.xsum, _mm512_set1_ps(xs[r * G + g]), a);
+        if constexpr (kSumsInRegs) sums[r][v] = a;
+        else _mm512_store_ps(acc[r][v], a);
       }
     }
   }
@@ -211,33 +254,26 @@ void tile(const T* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t
       if constexpr (kSumsInRegs) a[r] = sums[r][v];
       else a[r] = _mm512_load_ps(acc[r][v]);
     }
-    for (int64_t g = 0; g < G && (kCarries128 || offsets); ++g) {
-      // The 128 each INT4 code carries, and the offsets: o - 128 s (one FMA), times the group's sum of x.
-      const __m512 o = offsets ? _mm512_loadu_ps(offsets + (v * G + g) * kPanel) : _mm512_setzero_ps();
-      const __m512 z = kCarries128
-                           ? _mm512_fmadd_ps(_mm512_loadu_ps(scales + (v * G + g) * kPanel), _mm512_set1_ps(-128.f), o)
-                           : o;
-      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), a[r]);
-    }
-    const __m512 bv = bias ? _mm512_loadu_ps(bias + v * kPanel) : _mm512_setzero_ps();
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + (v0 + v) * kPanel) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m512 out = _mm512_add_ps(a[r], bv);
-      if constexpr (kF32) _mm512_storeu_ps(y + r * ldy + v * kPanel, out);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + v * kPanel), (__m256i)_mm512_cvtneps_pbh(out));
+      T* yr = y + r * ldy + (v0 + v) * kPanel;
+      if constexpr (kF32) _mm512_storeu_ps(yr, out);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr), (__m256i)_mm512_cvtneps_pbh(out));
     }
   }
 }
 
 // Every strip of rows of x over NP panels. Not inlined: inside the caller's lambda GCC kept a tile's
 // accumulators in memory (a store after every dot product).
-template <typename Codes, typename T, int NP>
-__attribute__((noinline)) void strips(const T* x, int64_t M, int64_t K, const uint8_t* w, int64_t pstride,
-                                      const float* scales, const float* offsets, int64_t G, int64_t gs,
-                                      const float* xs, const float* bias, T* y, int64_t N, const uint8_t* next) {
+template <typename Src, typename T, int NP>
+__attribute__((noinline)) void strips(const Src& src, int64_t v0, const T* x, int64_t M, int64_t K, const float* xs,
+                                      const float* bias, T* y, int64_t ldy, int64_t next) {
+  const int64_t G = src.G;
   for (int64_t m0 = 0; m0 < M; m0 += kStrip)
     dispatch_m(std::min<int64_t>(kStrip, M - m0), [&](auto rc) {
-      tile<Codes, T, decltype(rc)::value, NP>(x + m0 * K, K, w, pstride, scales, offsets, G, gs, xs + m0 * G,
-                                                   bias, y + m0 * N, N, m0 == 0 ? next : nullptr);
+      tile<Src, T, decltype(rc)::value, NP>(src, v0, x + m0 * K, K, xs + m0 * G, bias, y + m0 * ldy, ldy,
+                                            m0 == 0 ? next : -1);
     });
 }
 
@@ -261,23 +297,19 @@ void with_panels(int64_t n, Fn&& fn) {
 }
 
 // One tile of R rows (R = M: one or two rows) over NP panels; not inlined, as strips.
-template <typename Codes, typename T, int R, int NP>
-__attribute__((noinline)) void few_rows(const T* x, int64_t K, const uint8_t* w, int64_t pstride, const float* scales,
-                                        const float* offsets, int64_t G, int64_t gs, const float* xs,
-                                        const float* bias, T* y, int64_t N, const uint8_t* next) {
-  tile<Codes, T, R, NP>(x, K, w, pstride, scales, offsets, G, gs, xs, bias, y, N, next);
+template <typename Src, typename T, int R, int NP>
+__attribute__((noinline)) void few_rows(const Src& src, int64_t v0, const T* x, int64_t K, const float* xs,
+                                        const float* bias, T* y, int64_t ldy, int64_t next) {
+  tile<Src, T, R, NP>(src, v0, x, K, xs, bias, y, ldy, next);
 }
 
-template <typename T>
-void run(int64_t kind, const T* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P, const float* sp,
-         const float* op, const float* bp, int64_t gs, T* yp) {
-  const int64_t G = K / gs, N = P * kPanel, pstride = K / kBlockK * (kind == kInt4 ? 64 : 128);
-  const bool carries128 = kind == kInt4 && !std::is_same_v<T, float>;  // see tile
-  const std::vector<float> xs = carries128 || op ? pagoda_simd::group_sums(xp, M, K, gs) : std::vector<float>(M * G);
-  // The scales, offsets and bias of the tile that starts at panel p.
-  auto st_of = [&](int64_t p) { return sp + p * G * kPanel; };
-  auto ot_of = [&](int64_t p) { return op ? op + p * G * kPanel : nullptr; };
-  auto bt_of = [&](int64_t p) { return bp ? bp + p * kPanel : nullptr; };
+// y[m, c] (ldy apart) for the P panels of src, bias indexed from its first column: the driver every source plugs into.
+template <typename Src, typename T>
+void run(const Src& src, const T* xp, int64_t M, int64_t K, int64_t P, const float* bp, T* yp, int64_t ldy) {
+  const int64_t G = src.G;
+  const bool carried = Src::kCarry != 0.f && !std::is_same_v<T, float>;  // see tile
+  const std::vector<float> xs =
+      carried || src.has_offsets() ? pagoda_simd::group_sums(xp, M, K, src.gs) : std::vector<float>(M * G);
   // The codes straight into dot products, at every row count. One row: four panels a tile (four chains); two
   // rows: four panels (eight chains); more: strips of 8 rows over two panels, revisited by every strip while they
   // sit in L1. Threads split the panels evenly, each walks its own tiles. (No L2 buffer of unpacked codes for the
@@ -290,26 +322,27 @@ void run(int64_t kind, const T* xp, int64_t M, int64_t K, const uint8_t* wp, int
       const int64_t n = std::min<int64_t>(np, p1 - p);
       // The next tile's codes into L2 while this one computes (the hardware prefetcher alone leaves one row
       // waiting on a whole model's cold weights; one tile ahead into L2 is enough).
-      const uint8_t* next = p + n + np <= p1 ? wp + (p + n) * pstride : nullptr;
-      with_codes(kind, [&](auto codes_tag) {
-        using Codes = decltype(codes_tag);
-        const uint8_t* wt = wp + p * pstride;
-        if (M <= 2)
-          with_panels<4>(n, [&](auto npc) {
-            if (M == 1)
-              few_rows<Codes, T, 1, decltype(npc)::value>(xp, K, wt, pstride, st_of(p), ot_of(p), G, gs, xs.data(),
-                                                          bt_of(p), yp + p * kPanel, N, next);
-            else
-              few_rows<Codes, T, 2, decltype(npc)::value>(xp, K, wt, pstride, st_of(p), ot_of(p), G, gs, xs.data(),
-                                                          bt_of(p), yp + p * kPanel, N, next);
-          });
-        else
-          with_panels<2>(n, [&](auto npc) {
-            strips<Codes, T, decltype(npc)::value>(xp, M, K, wt, pstride, st_of(p), ot_of(p), G, gs, xs.data(),
-                                                   bt_of(p), yp + p * kPanel, N, next);
-          });
-      });
+      const int64_t next = p + n + np <= p1 ? p + n : -1;
+      if (M <= 2)
+        with_panels<4>(n, [&](auto npc) {
+          if (M == 1) few_rows<Src, T, 1, decltype(npc)::value>(src, p, xp, K, xs.data(), bp, yp, ldy, next);
+          else few_rows<Src, T, 2, decltype(npc)::value>(src, p, xp, K, xs.data(), bp, yp, ldy, next);
+        });
+      else
+        with_panels<2>(n, [&](auto npc) {
+          strips<Src, T, decltype(npc)::value>(src, p, xp, M, K, xs.data(), bp, yp, ldy, next);
+        });
     }
+  });
+}
+
+template <typename T>
+void run_codes(int64_t kind, const T* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P, const float* sp,
+               const float* op, const float* bp, int64_t gs, T* yp) {
+  with_codes(kind, [&](auto codes_tag) {
+    using Codes = decltype(codes_tag);
+    const CodePanels<Codes> src{wp, K / kBlockK * Codes::kBytes, sp, op, K / gs, gs};
+    run(src, xp, M, K, P, bp, yp, P * kPanel);
   });
 }
 #endif
@@ -360,10 +393,11 @@ at::Tensor quant_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, c
   const float* op = offsets.has_value() ? offsets->const_data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat)
-    run<float>(kind, x.const_data_ptr<float>(), M, K, wp, P, sp, op, bp, group_size, y.mutable_data_ptr<float>());
+    run_codes<float>(kind, x.const_data_ptr<float>(), M, K, wp, P, sp, op, bp, group_size,
+                     y.mutable_data_ptr<float>());
   else
-    run<c10::BFloat16>(kind, x.const_data_ptr<c10::BFloat16>(), M, K, wp, P, sp, op, bp, group_size,
-                       y.mutable_data_ptr<c10::BFloat16>());
+    run_codes<c10::BFloat16>(kind, x.const_data_ptr<c10::BFloat16>(), M, K, wp, P, sp, op, bp, group_size,
+                           y.mutable_data_ptr<c10::BFloat16>());
 #endif
   return y;
 }
@@ -371,6 +405,18 @@ at::Tensor quant_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, c
 }  // namespace
 
 namespace pagoda_cpu {
+bool gguf_panel_segment(const c10::BFloat16* x, int64_t M, int64_t K, int64_t type, const uint8_t* data,
+                        int64_t rows, const float* bias, c10::BFloat16* y, int64_t ldy) {
+#if defined(PAGODA_INT4_PANELS) && defined(PAGODA_GGUF_BF16)
+  return pagoda_gguf::dispatch_type(type, [&](auto c) {
+    run(pagoda_gguf::DotBlocks<decltype(c)::value>(data, K), x, M, K, rows / kPanel, bias, y, ldy);
+  });
+#else
+  (void)x, (void)M, (void)K, (void)type, (void)data, (void)rows, (void)bias, (void)y, (void)ldy;
+  return false;
+#endif
+}
+
 at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                               int64_t group_size, int64_t kind) {

@@ -311,7 +311,9 @@ static void for_segments(const at::Tensor& data, const at::Tensor& table, int64_
   }
 }
 
-// x: [M, K] fp32 or bf16 (widened); y: [M, N] in x's dtype, fp32 sums, each segment through the panel driver.
+// x: [M, K] fp32 or bf16; y: [M, N] in x's dtype, fp32 sums, each segment through a panel driver: bf16 x through the
+// bf16 panel kernel's (quant_panel_linear.cpp: vdpbf16ps on the codes) where the build has its decoder, else this
+// file's on x widened to fp32.
 at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, const at::Tensor& table,
                               const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
@@ -321,12 +323,19 @@ at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, co
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "gguf_vpanel_linear: bias fp32 [N]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const at::Tensor xb = bf16 ? x_in.contiguous() : at::Tensor();
+  at::Tensor x;  // fp32 x, made once a segment needs it
   auto y = at::empty({M, N}, x_in.options());
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   for_segments(data, table, K, [&](const auto& src, int64_t row0, int64_t rows) {
     const float* b = bp ? bp + row0 : nullptr;
-    if (x_in.scalar_type() == at::kFloat) run(src, x.data_ptr<float>(), b, y.data_ptr<float>() + row0, M, rows, N);
+    using Src = std::decay_t<decltype(src)>;
+    if (bf16 && gguf_panel_segment(xb.const_data_ptr<c10::BFloat16>(), M, K, Src::kType, src.w, rows, b,
+                                   y.data_ptr<c10::BFloat16>() + row0, N))
+      return;
+    if (!x.defined()) x = x_in.to(at::kFloat).contiguous();
+    if (!bf16) run(src, x.data_ptr<float>(), b, y.data_ptr<float>() + row0, M, rows, N);
     else run(src, x.data_ptr<float>(), b, y.data_ptr<c10::BFloat16>() + row0, M, rows, N);
   });
   return y;
