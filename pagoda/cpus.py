@@ -108,7 +108,9 @@ class ThreadGovernor:
     half of that core's time: a step then runs at the speed of that half, slower than on the free cores alone. So
     while other processes keep some of this process's cores busy, it runs that many fewer threads: every `interval`
     seconds it reads the cores' busy time (/proc/stat) less its own CPU time, the other processes' share in cores,
-    and after two readings that agree it sets max_threads less that share (rounded half up), at least one thread.
+    and sets max_threads less that share (rounded half up), at least one thread: fewer threads after two readings
+    that agree (a moment's load costs nothing), more at the first reading that allows them (a thread short costs
+    speed every step). A reading over a gap without steps (an idle engine) only starts a new window.
     A result never depends on the thread count (the kernels split rows and output columns across threads, never a
     sum), so this changes speed only. `set_threads` is torch.set_num_threads (this module stays torch-free).
     """
@@ -145,14 +147,14 @@ class ThreadGovernor:
             return
         mine = self._own_cpu()
         last, self._last = self._last, (now, busy, mine)
-        if last is None:
+        if last is None or now - last[0] > 4 * self._interval:
             return
         wall = now - last[0]
         self.others = max(0.0, ((busy - last[1]) / self._hz - (mine - last[2])) / wall)
         want = max(1, min(self.max_threads, self.max_threads - math.floor(self.others + 0.5)))
         if want == self.threads:
             self._pending = None
-        elif want == self._pending:
+        elif want > self.threads or want == self._pending:
             logger.info("compute threads: %d -> %d (other processes keep %.1f of cores %s busy)", self.threads, want,
                         self.others, ",".join(map(str, self.cores)))
             self.threads, self._pending = want, None

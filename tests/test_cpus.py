@@ -116,11 +116,21 @@ def test_threads_give_way_while_another_process_keeps_a_core_busy(tmp_path: Path
         m.run(1.0, 1.0, 1.0)
         gov.tick()
     assert gov.threads == 1 and set_to == [1]
-    m.run(1.0, 1.0, 0.0)  # it stopped
-    gov.tick()
-    m.run(1.0, 1.0, 0.1)  # light noise does not take a core away
+    m.run(1.0, 1.0, 0.0)  # it stopped: the threads come back at the first reading
     gov.tick()
     assert gov.threads == 2 and set_to == [1, 2]
+    m.run(1.0, 2.0, 0.1)  # light noise does not take a core away
+    gov.tick()
+    m.run(1.0, 2.0, 0.1)
+    gov.tick()
+    assert gov.threads == 2 and set_to == [1, 2]
+    m.run(30.0, 0.0, 1.0)  # an idle engine, while another process ran: no step, no reading
+    gov.tick()
+    m.run(0.5, 2.0, 0.0)  # the first reading after the gap covers only the steps since
+    gov.tick()
+    m.run(0.5, 2.0, 0.0)
+    gov.tick()
+    assert gov.threads == 2 and set_to == [1, 2] and gov.others == pytest.approx(0.0, abs=0.05)
 
 
 def test_no_governor_where_the_threads_are_not_one_per_core(monkeypatch: pytest.MonkeyPatch) -> None:

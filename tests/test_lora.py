@@ -113,22 +113,29 @@ needs_kernels = pytest.mark.skipif(not kernel_available(), reason="the C++ LoRA 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_op_adds_each_tokens_own_adapter_whatever_shares_the_call(dtype):
-    """The op against float64 matmuls, with odd widths (vector tails), an empty slot, and base-model tokens;
-    a token's update is the same bits alone and among the others."""
+    """The op against float64 matmuls, with odd sizes (vector tails), fused slots of two parts (each part's B in its
+    own rows and rank columns), an empty slot and base-model tokens; a token's update is the same bits alone and
+    among the others."""
     gen = torch.Generator().manual_seed(0)
     slots_n, wd, d_in, d_out, tokens = 4, 12, 37, 53, 19
-    a = torch.randn(slots_n, wd, d_in, generator=gen)
-    bt = torch.randn(slots_n, wd, d_out, generator=gen)
-    widths = torch.tensor([12, 5, 0, 8], dtype=torch.int32)
-    for s, w in enumerate(widths.tolist()):  # rows past a slot's width are zero, as LoRASlots keeps them
-        a[s, w:] = 0
-        bt[s, w:] = 0
+    # (first rank column, rank, first output row, rows) of each slot's parts: the layout LoRASlots.write makes.
+    layout = [[(0, 6, 0, 20), (6, 6, 20, 33)], [(0, 5, 3, 50), (0, 0, 0, 0)], [(0, 0, 0, 0)] * 2,
+              [(0, 3, 0, 17), (3, 5, 17, 36)]]
+    parts = torch.tensor(layout, dtype=torch.int32)
+    widths = parts[:, :, :2].sum(-1).max(-1).values.int()  # each slot's last rank column
+    a = torch.zeros(slots_n, wd, d_in)
+    bt = torch.zeros(slots_n, wd, d_out)
+    for s, slot_parts in enumerate(layout):
+        for c, r, o, n in slot_parts:
+            a[s, c:c + r] = torch.randn(r, d_in, generator=gen)
+            bt[s, c:c + r, o:o + n] = torch.randn(r, n, generator=gen)
+    a, bt = a.to(dtype), bt.to(dtype)
     token_slots = torch.randint(-1, slots_n, (tokens,), generator=gen)
-    token_slots[:3] = torch.tensor([0, 1, -1])
+    token_slots[:4] = torch.tensor([0, 1, -1, 3])
     x = torch.randn(tokens, d_in, generator=gen).to(dtype)
     y0 = torch.randn(tokens, d_out, generator=gen).to(dtype)
     y = y0.clone()
-    torch.ops.pagoda.lora_add_(y, x, token_slots, a, bt, widths)
+    torch.ops.pagoda.lora_add_(y, x, token_slots, a, bt, widths, parts)
     want = y0.double().clone()
     for t, s in enumerate(token_slots.tolist()):
         if s >= 0:
@@ -139,7 +146,7 @@ def test_lora_op_adds_each_tokens_own_adapter_whatever_shares_the_call(dtype):
     assert torch.equal(y[token_slots == 2], y0[token_slots == 2])  # an empty slot adds nothing
     for t in range(tokens):
         alone = y0[t:t + 1].clone()
-        torch.ops.pagoda.lora_add_(alone, x[t:t + 1], token_slots[t:t + 1], a, bt, widths)
+        torch.ops.pagoda.lora_add_(alone, x[t:t + 1], token_slots[t:t + 1], a, bt, widths, parts)
         assert torch.equal(alone[0], y[t]), t
 
 

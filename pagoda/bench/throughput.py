@@ -278,14 +278,6 @@ def main(args: argparse.Namespace) -> int:
     _progress(f"pagoda: {len(requests)} requests ...")
     ours = run_engine(llm, requests)
     _progress(f"pagoda: done in {ours.elapsed_s:.1f} s")
-    shared = None
-    if args.contend:
-        from pagoda.bench.contention import busy_cores
-
-        with busy_cores(args.contend) as taken:
-            _progress(f"pagoda, cores {taken} taken by busy processes: {len(requests)} requests ...")
-            shared = run_engine(llm, requests)
-        _progress(f"pagoda shared: done in {shared.elapsed_s:.1f} s ({ours.elapsed_s / shared.elapsed_s:.2f}x quiet)")
     # Measured after our run: the GEMM probe's heavy AVX-512 load measurably slowed the run right after it.
     roofline: Roofline | None = None if args.no_roofline else measure_roofline(dtype)
     if roofline is not None:
@@ -315,24 +307,29 @@ def main(args: argparse.Namespace) -> int:
     if roofline is not None:
         report["roofline"] = roofline.to_dict()
         report["pagoda"]["compute_efficiency"] = efficiency(flops / ours.elapsed_s, roofline.matmul_flops)
-    if shared is not None:
-        report["pagoda_shared"] = {**shared.to_dict(), "busy_processes": args.contend,
-                                   "speed_vs_quiet": ours.elapsed_s / shared.elapsed_s}
-
     prompt: list[int] | None = None
+    b1 = None
     if args.batch1_decode:
         prompt = synthetic_chat_requests(engine.tokenizer, 1, (BATCH1_PROMPT_LEN,) * 2, (1, 1),
                                          seed=seed_from_args(args))[0].prompt_token_ids
         _progress("pagoda: batch-1 decode ...")
         b1 = run_batch1_decode(llm, prompt, BATCH1_OUTPUT_LEN)
         report["batch1_decode"] = b1.to_dict()
-        if args.contend:
-            from pagoda.bench.contention import busy_cores
+    if args.contend:  # after every quiet run: the quiet figures never follow a shared one
+        from pagoda.bench.contention import busy_cores
 
-            with busy_cores(args.contend):
+        with busy_cores(args.contend) as taken:
+            _progress(f"pagoda, cores {taken} taken by busy processes: {len(requests)} requests ...")
+            shared = run_engine(llm, requests)
+            _progress(f"pagoda shared: done in {shared.elapsed_s:.1f} s "
+                      f"({ours.elapsed_s / shared.elapsed_s:.2f}x quiet)")
+            report["pagoda_shared"] = {**shared.to_dict(), "busy_processes": args.contend,
+                                       "speed_vs_quiet": ours.elapsed_s / shared.elapsed_s}
+            if b1 is not None and prompt is not None:
                 b1_shared = run_batch1_decode(llm, prompt, BATCH1_OUTPUT_LEN)
-            report["batch1_decode_shared"] = {**b1_shared.to_dict(), "busy_processes": args.contend,
-                                              "speed_vs_quiet": b1_shared.decode_tok_s / b1.decode_tok_s}
+                report["batch1_decode_shared"] = {**b1_shared.to_dict(), "busy_processes": args.contend,
+                                                  "speed_vs_quiet": b1_shared.decode_tok_s / b1.decode_tok_s}
+    if b1 is not None:
         if roofline is not None:
             weight_bytes = decode_weight_bytes(engine.args, dtype)
             report["batch1_decode"].update(

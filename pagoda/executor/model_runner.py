@@ -111,7 +111,7 @@ class ModelRunner:
             parallelize(model, shard, comm)
         self.model = model.eval()
         # Adapter slots in the model's Linears, where LoRA is on (tensor parallelism is refused with it: config.py).
-        self.lora = LoRAManager(model, config.lora, policy.cpp) if config.lora.enable_lora else None
+        self.lora = LoRAManager(model, config.lora, policy.cpp, dtype) if config.lora.enable_lora else None
         logger.info("loaded %s in %.1fs", args.architecture, time.perf_counter() - t0)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] = []  # 8-bit kv_cache_dtype only

@@ -36,8 +36,8 @@ class DecoderStack:
     attention: list                      # each layer's PagedAttention (caches are bound to it later)
     rope: torch.nn.Module                # RotaryEmbedding: its cos/sin tables
     windows: list[int]                   # each layer's sliding window (0: global), or none when no layer has one
-    # Each linear's LoRA slots as [A, B^T, widths] (None x 3 where it has none), in the linears' order; empty
-    # without LoRA (bind_lora).
+    # Each linear's LoRA slots as [A, B^T, widths, parts] (None x 4 where it has none), in the linears' order;
+    # empty without LoRA (bind_lora).
     lora: list[torch.Tensor | None] = field(default_factory=list)
     # The caches as lists, gathered on the first call after the runner binds them.
     _bound_cache: torch.Tensor | None = None
@@ -105,4 +105,4 @@ class DecoderStack:
 # The op's flat per-layer order (decoder_stack.cpp): qkv, o, gate_up, down, each [weight, scales, offsets, bias].
 _LINEARS_PER_LAYER = 4
 _ENTRIES = 4
-_LORA_ENTRIES = 3
+_LORA_ENTRIES = 4

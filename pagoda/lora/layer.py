@@ -53,30 +53,36 @@ class LoRAMapping:
 
 
 class LoRASlots:
-    """One Linear's adapters: A [slots, width, in] and B^T [slots, width, out], width = parts x max rank."""
+    """One Linear's adapters: A [slots, width, in] and B^T [slots, width, out], width = parts x max rank, and where
+    each slot's parts sit: [slots, parts, 4] of (first rank column, rank, first output row, rows), 0 rank where a
+    part has none. The C++ op reads only those blocks of B^T (a fused Linear's B^T is mostly zeros)."""
 
-    def __init__(self, num_slots: int, width: int, in_features: int, out_features: int, mapping: LoRAMapping,
-                 kernel: bool) -> None:
-        # fp32 whatever the model's dtype: the update is small, and torch's small bf16 matmuls on CPU cost more.
-        self.a = torch.zeros(num_slots, width, in_features)
-        self.bt = torch.zeros(num_slots, width, out_features)
+    def __init__(self, num_slots: int, num_parts: int, max_rank: int, in_features: int, out_features: int,
+                 mapping: LoRAMapping, kernel: bool, dtype: torch.dtype) -> None:
+        """`kernel`: the C++ op runs (KernelPolicy.cpp), on slots in the model's `dtype` (the op's reads of A and B
+        are most of its cost); the torch path keeps fp32, where torch's small matmuls are fastest on CPU."""
+        width = num_parts * max_rank
+        dtype = dtype if kernel and dtype in (torch.float32, torch.bfloat16) else torch.float32
+        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype)
+        self.bt = torch.zeros(num_slots, width, out_features, dtype=dtype)
         self.widths = torch.zeros(num_slots, dtype=torch.int32)  # rank columns each slot fills (the rest are zero)
+        self.parts = torch.zeros(num_slots, num_parts, 4, dtype=torch.int32)
         self.mapping = mapping
-        self.kernel = kernel  # the C++ op (KernelPolicy.cpp)
+        self.kernel = kernel
 
     def stack_args(self) -> list[torch.Tensor]:
         """This Linear's adapters as the C++ decoder stack takes them (kernels/decoder_stack.py)."""
-        return [self.a, self.bt, self.widths]
+        return [self.a, self.bt, self.widths, self.parts]
 
     def write(self, slot: int, parts: list[tuple[int, torch.Tensor, torch.Tensor, float]]) -> None:
         """Fill `slot` with (first output row, A [r, in], B [rows, r], scale) of each part it updates."""
-        self.a[slot].zero_()
-        self.bt[slot].zero_()
+        self.clear(slot)
         col = 0
-        for row, a, b, scale in parts:
+        for i, (row, a, b, scale) in enumerate(parts):
             r = a.shape[0]
             self.a[slot, col:col + r] = a
             self.bt[slot, col:col + r, row:row + b.shape[0]] = (b * scale).T
+            self.parts[slot, i] = torch.tensor([col, r, row, b.shape[0]], dtype=torch.int32)
             col += r
         self.widths[slot] = col
 
@@ -84,14 +90,15 @@ class LoRASlots:
         self.a[slot].zero_()
         self.bt[slot].zero_()
         self.widths[slot] = 0
+        self.parts[slot].zero_()
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += each token's adapter update of x (in place; y is the base layer's fresh output)."""
         m = self.mapping
         if not m.active:
             return y
-        if self.kernel and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and y.is_contiguous():
-            torch.ops.pagoda.lora_add_(y, x.contiguous(), m.token_slots, self.a, self.bt, self.widths)
+        if self.kernel and x.dtype == self.a.dtype and x.dim() == 2 and y.is_contiguous():
+            torch.ops.pagoda.lora_add_(y, x.contiguous(), m.token_slots, self.a, self.bt, self.widths, self.parts)
             return y
         xs = x.to(self.a.dtype)
         if m.single is not None:  # one adapter for the whole step: its own columns only

@@ -27,8 +27,8 @@ class _Resident:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, kernel: bool) -> None:
-        """`kernel`: the C++ LoRA op may run (KernelPolicy.cpp)."""
+    def __init__(self, model: nn.Module, config: LoRAConfig, kernel: bool, dtype: torch.dtype) -> None:
+        """`kernel`: the C++ LoRA op may run (KernelPolicy.cpp); `dtype`: the model's compute dtype."""
         if not hasattr(model, "packed_modules"):
             raise ValueError(f"{type(model).__name__} does not take LoRA adapters")
         self.model = model
@@ -40,8 +40,8 @@ class LoRAManager:
             leaf = path.rpartition(".")[2]
             if isinstance(m, Linear) and leaf in TARGETS and re.fullmatch(r"layers\.\d+\.(self_attn|mlp)\.\w+", path):
                 parts = len(model.packed_modules.get(leaf, (leaf,)))
-                m.lora = self.slots[path] = LoRASlots(self.num_slots, parts * self.max_rank, m.in_features,
-                                                      m.out_features, self.mapping, kernel)
+                m.lora = self.slots[path] = LoRASlots(self.num_slots, parts, self.max_rank, m.in_features,
+                                                      m.out_features, self.mapping, kernel, dtype)
         model.bind_lora(self.mapping)
         self._resident: dict[int, tuple[int, _Resident]] = {}  # lora_int_id -> (slot, its state)
         self._lru: OrderedDict[int, int | None] = OrderedDict((s, None) for s in range(self.num_slots))

@@ -9,8 +9,8 @@
 // bias); formats[4l + i] is its LinearFormat (linear_formats.h), with group_sizes[4l + i] its group size.
 // qk_norms is empty, or holds each layer's q and k head norm weights (Qwen3: RMSNorm over each head of q
 // and k before RoPE), 2l and 2l + 1. windows is empty, or holds each layer's sliding window (0: global).
-// With lora_slots (each token's adapter slot, -1: none), lora holds three entries per linear in the same order
-// (A, B^T, widths: lora.cpp), or none where that linear has no adapters; each linear's output then gets its
+// With lora_slots (each token's adapter slot, -1: none), lora holds four entries per linear in the same order
+// (A, B^T, widths, parts: lora.cpp), or none where that linear has no adapters; each linear's output then gets its
 // tokens' adapter updates, as the layer-by-layer path adds them (lora/layer.py).
 
 #include <ATen/core/List.h>
@@ -41,14 +41,15 @@ at::Tensor run_linear(const at::Tensor& x, const c10::List<c10::optional<at::Ten
   return pagoda_cpu::format_linear(x, *w, scales, offsets, bias, fmt, group_size);
 }
 
-constexpr int64_t kLoRAEntries = 3;
+constexpr int64_t kLoRAEntries = 4;
 
 void add_lora(at::Tensor& y, const at::Tensor& x, const c10::optional<at::Tensor>& lora_slots,
               const c10::List<c10::optional<at::Tensor>>& lora, int64_t index) {
   if (!lora_slots.has_value()) return;
   const int64_t base = index * kLoRAEntries;
-  const c10::optional<at::Tensor> a = lora.get(base), bt = lora.get(base + 1), widths = lora.get(base + 2);
-  if (a.has_value()) pagoda_cpu::lora_add_(y, x, *lora_slots, *a, *bt, *widths);
+  const c10::optional<at::Tensor> a = lora.get(base), bt = lora.get(base + 1), widths = lora.get(base + 2),
+                                  parts = lora.get(base + 3);
+  if (a.has_value()) pagoda_cpu::lora_add_(y, x, *lora_slots, *a, *bt, *widths, *parts);
 }
 
 // Returns (h, residual): the last layer's output and the running residual, for the final norm.
@@ -75,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
   TORCH_CHECK(!qk || static_cast<int64_t>(qk_norms.size()) >= 2 * L, "decoder_stack: qk_norms is shorter than 2 per layer");
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) >= L, "decoder_stack: windows is shorter than L");
   TORCH_CHECK(!lora_slots.has_value() || static_cast<int64_t>(lora.size()) >= L * kLinearsPerLayer * kLoRAEntries,
-              "decoder_stack: lora is shorter than 3 entries per linear");
+              "decoder_stack: lora is shorter than 4 entries per linear");
   at::Tensor h = x, residual;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t li = l * kLinearsPerLayer;

@@ -69,6 +69,6 @@ at::Tensor format_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 
 // y[t] += B_s A_s x[t] for each token t's adapter slot s (-1: none), in place (lora.cpp).
 void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& token_slots, const at::Tensor& a,
-               const at::Tensor& bt, const at::Tensor& widths);
+               const at::Tensor& bt, const at::Tensor& widths, const at::Tensor& parts);
 
 }  // namespace pagoda_cpu
