@@ -102,3 +102,19 @@ def test_sent_choice_records_text_and_tokens_sent():
     s = SentChoice()
     assert s.advance("Hel", 2, False) == 0
     assert s.advance("Hello", 3, True) == 2 and (s.text, s.tokens, s.done) == (5, 3, True)
+
+
+def test_a_request_arrives_when_its_input_is_processed_not_when_the_engine_takes_it(smollm_llm):
+    """Queueing and time to first token count from the request's arrival (the input processor's stamp), so the
+    wait for a step already running, between the route and the engine thread, is in them."""
+    import time
+
+    engine = smollm_llm.engine
+    t0 = time.time()
+    processed = engine.input_processor.process("Hello", SamplingParams(max_tokens=2, temperature=0))
+    time.sleep(0.2)  # the engine thread is busy with a step
+    req = engine.add_processed(processed, "arrival-check")
+    assert t0 <= req.metrics.arrival_time <= t0 + 0.1
+    while not req.finished:
+        engine.step()
+    assert req.metrics.first_token_time - req.metrics.arrival_time >= 0.2

@@ -86,9 +86,10 @@ class Request:
     lora_request: "LoRARequest | None" = None  # its adapter, or None: the base model
     lora_slot: int = -1             # the adapter slot it pinned (-1: none yet, or the base model)
     lora_key: str | None = None     # its adapter's digest: keys its prefix cache entries apart from others'
+    arrival_time: float | None = None  # when it came in (the input processor's stamp); None: now
 
     def __post_init__(self) -> None:
-        self.metrics = RequestMetrics(arrival_time=time.time())
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time if self.arrival_time is not None else time.time())
 
     @property
     def finished(self) -> bool:

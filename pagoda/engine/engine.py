@@ -146,7 +146,8 @@ class LLMEngine:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested but LoRA is off: start the "
                              "engine with enable_lora (--enable-lora)")
         req = Request(rid, processed.prompt, ids, params, max_tokens, cache_salt=cache_salt, client=client,
-                      priority=priority, stop_ids=self.outputs.stop_ids(params), lora_request=lora_request)
+                      priority=priority, stop_ids=self.outputs.stop_ids(params), lora_request=lora_request,
+                      arrival_time=processed.arrival_time)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._new_sequence(req, list(ids))

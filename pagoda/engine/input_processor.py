@@ -7,6 +7,7 @@ Thread-safe: the server calls it off its event loop.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ class ProcessedRequest:
     params: SamplingParams
     max_tokens: int                 # params.max_tokens, or what the context leaves
     grammar: Future | None          # the compiled constraint, done or compiling
+    arrival_time: float             # when it came in (time.time()): queueing and time to first token count from it
 
 
 class InputProcessor:
@@ -65,6 +67,7 @@ class InputProcessor:
 
     def process(self, prompt: str | list[int], params: SamplingParams | None = None) -> ProcessedRequest:
         """Validate a request; raises ValueError for anything that can never run on this engine."""
+        arrival = time.time()
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -89,7 +92,7 @@ class InputProcessor:
         grammar = self.start_compile(params)
         if grammar is not None and grammar.done() and not grammar.cancelled() and grammar.exception() is not None:
             raise ValueError(str(grammar.exception()))
-        return ProcessedRequest(text, ids, params, max_tokens, grammar)
+        return ProcessedRequest(text, ids, params, max_tokens, grammar, arrival)
 
     def _check_length(self, num_chars: int) -> None:
         limit = (self.max_model_len - 1) * self.tokenizer.max_token_bytes * _NORMALIZER_SLACK
