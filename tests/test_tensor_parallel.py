@@ -259,15 +259,23 @@ def test_tp2_engine_equals_one_process(default_gguf: str, engines) -> None:
                                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})],
                          ids=["bf16-gguf", "int4-ngram"])
 def test_tp2_engine_quantized_and_speculative(default_gguf: str, engines, kw: dict) -> None:
-    """Quantized weights shard on their blocks; n-gram speculation verifies through the TP forward. bf16 is
-    compared by agreement (its rounding differs per rank count), fp32 token for token."""
-    want = tokens(greedy(engines(default_gguf, **kw), max_tokens=16))
+    """Quantized weights shard on their blocks; n-gram speculation verifies through the TP forward. fp32 is
+    compared token for token; bf16 rounds differently per rank count, so where a continuation first parts from
+    one rank's, the token two ranks chose must have been a near tie there (the continuations differ after it):
+    bf16 logits of this model's size are 0.125 apart, and the rounding of 30 layers moves them a few steps."""
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
+    want = [o.outputs[0] for o in engines(default_gguf, **kw).generate(PROMPTS, params, use_tqdm=False)]
     got = tokens(greedy(engines(default_gguf, tensor_parallel_size=2, **kw), max_tokens=16))
     if kw["dtype"] == "float32":
-        assert got == want
-    else:
-        same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-        assert same >= 0.8 * sum(map(len, want)), (got, want)
+        assert got == [w.token_ids for w in want]
+        return
+    for g, w in zip(got, want):
+        split = next((i for i, (a, b) in enumerate(zip(g, w.token_ids)) if a != b), None)
+        if split is None:
+            continue
+        top = w.logprobs[split]
+        assert g[split] in top, (g, w.token_ids)
+        assert top[w.token_ids[split]].logprob - top[g[split]].logprob <= 0.5, (split, top)
 
 
 def test_a_killed_rank_ends_the_engine_with_a_clear_error(default_gguf: str, engines) -> None:
