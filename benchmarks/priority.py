@@ -5,13 +5,15 @@ For each scheduling policy (priority, fcfs) one `pagoda serve` answers, in turn:
   streams  the same while `--streams` low-priority streams (priority 10) decode;
   batch    the same while a /v1/batches job of `--batch-lines` lines runs (the lowest priority);
 and the batch job's wall time against the same lines sent to /v1/chat/completions, `--max-num-seqs` at once.
-Each TTFT is the median of `--probes` requests, one after another. Prints one table.
+Each TTFT is the median of `--probes` requests, one after another; beside them, the server's own mean TTFT over the
+same probes (its histogram, from arrival to first token). Prints one table.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -36,11 +38,25 @@ async def ttft(client: httpx.AsyncClient, priority: int = 0) -> float:
     raise RuntimeError("no token streamed")
 
 
-async def probes(client: httpx.AsyncClient, n: int) -> float:
+async def server_ttft(client: httpx.AsyncClient) -> tuple[float, float]:
+    """(sum, count) of the server's time-to-first-token histogram: from a request's arrival to its first token."""
+    text = (await client.get("/metrics")).text
+    found = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"^pagoda:time_to_first_token_seconds_(sum|count)\{[^}]*\} (\S+)$", text, re.M)}
+    return found["sum"], found["count"]
+
+
+async def probes(client: httpx.AsyncClient, n: int, server: dict[str, float] | None = None) -> float:
+    """The median client TTFT of `n` probes; with `server`, also the server's mean TTFT over them in its "server"
+    key (only where nothing else finishes meanwhile: the histogram counts every request)."""
+    before = await server_ttft(client) if server is not None else None
     out = []
     for _ in range(n):
         out.append(await ttft(client))
         await asyncio.sleep(0.3)
+    if server is not None and before is not None:
+        after = await server_ttft(client)
+        server["server"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
     return statistics.median(out)
 
 
@@ -49,7 +65,7 @@ def bulk_body(i: int, tokens: int) -> dict[str, Any]:
             "messages": [{"role": "user", "content": f"Write a long story about the number {i}."}]}
 
 
-async def with_streams(client: httpx.AsyncClient, args: argparse.Namespace) -> float:
+async def with_streams(client: httpx.AsyncClient, args: argparse.Namespace, server: dict[str, float]) -> float:
     async def stream(i: int) -> None:
         body = {**bulk_body(i, 2048), "stream": True, "priority": 10}
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -59,7 +75,7 @@ async def with_streams(client: httpx.AsyncClient, args: argparse.Namespace) -> f
     tasks = [asyncio.create_task(stream(i)) for i in range(args.streams)]
     await asyncio.sleep(args.settle)
     try:
-        return await probes(client, args.probes)
+        return await probes(client, args.probes, server)
     finally:
         for t in tasks:
             t.cancel()
@@ -100,8 +116,11 @@ async def direct(client: httpx.AsyncClient, args: argparse.Namespace) -> float:
 async def measure(url: str, args: argparse.Namespace) -> dict[str, float]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await probes(client, 2)  # warm-up
-        row = {"idle": await probes(client, args.probes)}
-        row["streams"] = await with_streams(client, args)
+        idle_server: dict[str, float] = {}
+        streams_server: dict[str, float] = {}
+        row = {"idle": await probes(client, args.probes, idle_server)}
+        row["streams"] = await with_streams(client, args, streams_server)
+        row["idle_server"], row["streams_server"] = idle_server["server"], streams_server["server"]
         row["batch"], row["batch_s"] = await with_batch(client, args)
         row["direct_s"] = await direct(client, args)
     return row
@@ -129,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 srv.stop()
         print(policy, {k: round(v, 3) for k, v in rows[policy].items()}, file=sys.stderr, flush=True)
-    print("| policy | TTFT idle | with streams | with a batch job | batch job wall | same lines direct |")
-    print("|---|---|---|---|---|---|")
+    print("| policy | TTFT idle | with streams | with a batch job | batch job wall | same lines direct "
+          "| server's TTFT idle / with streams |")
+    print("|---|---|---|---|---|---|---|")
     for policy, r in rows.items():
         print(f"| {policy} | {r['idle'] * 1e3:.0f} ms | {r['streams'] * 1e3:.0f} ms ({r['streams'] / r['idle']:.2f}x) "
               f"| {r['batch'] * 1e3:.0f} ms ({r['batch'] / r['idle']:.2f}x) | {r['batch_s']:.1f} s "
-              f"| {r['direct_s']:.1f} s ({r['direct_s'] / r['batch_s']:.2f}x) |")
+              f"| {r['direct_s']:.1f} s ({r['direct_s'] / r['batch_s']:.2f}x) "
+              f"| {r['idle_server'] * 1e3:.0f} / {r['streams_server'] * 1e3:.0f} ms |")
     return 0
 
 
