@@ -24,6 +24,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_bf16.h"
+
 namespace pagoda_amx {
 
 constexpr int kRows = 16;    // rows of an A or C tile
@@ -81,12 +83,13 @@ inline void block(const c10::BFloat16* x, int64_t K, const c10::BFloat16* w, flo
   if constexpr (RB == 2 && PB == 2) _tile_stored(3, out + kRows * PB * kPanel + kPanel, ld);
 }
 
-// Rows [0, rows) of an fp32 block [*, cols] (+ bias) into y as bf16.
+// Rows [0, rows) of an fp32 block [*, cols] (+ bias) into y as bf16 (cols: 16 or 32).
 inline void store(const float* c, int64_t rows, int64_t cols, const c10::BFloat16* bias, c10::BFloat16* y,
                   int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j)
-      y[r * ldy + j] = c10::BFloat16(c[r * cols + j] + (bias ? static_cast<float>(bias[j]) : 0.f));
+  for (int64_t j = 0; j < cols; j += kPanel) {
+    const __m512 b = bias ? load16(bias + j) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) store16(y + r * ldy + j, _mm512_add_ps(_mm512_load_ps(c + r * cols + j), b));
+  }
 }
 
 // x [M, K] bf16 (K a multiple of 32), w panels [N/16][K/2][16][2], y [M, N].
