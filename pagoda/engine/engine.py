@@ -49,9 +49,19 @@ _DEAD_GRAMMAR = "structured_outputs: the constraint allows no next token of this
 
 @dataclass
 class StepStats:
-    """Running totals since the engine started."""
+    """Running totals since the engine started, and the last step that ran the model."""
     num_scheduled_tokens: int = 0
     num_generated_tokens: int = 0
+    num_steps: int = 0
+    last_tokens: int = 0
+    last_seconds: float = 0.0
+    last_forward_seconds: float = 0.0
+
+    def add_step(self, tokens: int, generated: int, seconds: float, forward_seconds: float) -> None:
+        self.num_scheduled_tokens += tokens
+        self.num_generated_tokens += generated
+        self.num_steps += 1
+        self.last_tokens, self.last_seconds, self.last_forward_seconds = tokens, seconds, forward_seconds
 
 
 class LLMEngine:
@@ -314,6 +324,10 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
+            num_steps=self.stats.num_steps,
+            step_tokens=self.stats.last_tokens,
+            step_seconds=self.stats.last_seconds,
+            step_forward_seconds=self.stats.last_forward_seconds,
         )
         if self.speculator is not None:
             spec = self.speculator.stats
@@ -369,13 +383,13 @@ class LLMEngine:
         # KV: the scheduler rolls it back.
         rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in out.spec_logits}
         self.scheduler.update(sched, rejected)
-        self.stats.num_scheduled_tokens += sched.total_tokens
-        self.stats.num_generated_tokens += sum(appended.values())
         if self.speculator is not None:  # the next step's proposals, drafted from this step's outcome
             step = StepResult(sched, rejected, verified, appended, out.aux_hidden, t_fwd, time.perf_counter() - t_step)
             self.scheduler.update_draft_token_ids(
                 self.speculator.propose(step, self.scheduler.running, self.scheduler.queued_prompt_tokens()))
-        return self._outputs(touched)
+        results = self._outputs(touched)
+        self.stats.add_step(sched.total_tokens, sum(appended.values()), time.perf_counter() - t_step, t_fwd)
+        return results
 
     def _idle(self, touched: dict[str, Request]) -> list[RequestOutput]:
         """A step with nothing to schedule: the outputs of requests admission failed."""
