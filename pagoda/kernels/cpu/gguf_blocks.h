@@ -1,17 +1,18 @@
-// GGUF's block formats (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0) held as stored, regrouped into the portable panels of
-// quant_vpanel_linear.cpp: one row of the table below per GGML type names its block decoders, Blocks (fp32 codes, for
-// that file's portable driver) and, on AVX512-BF16 builds, DotBlocks (vdpbf16ps operands, for the bf16 panel
-// driver of quant_panel_linear.cpp); each driver runs every row of the table.
+// GGUF's block formats (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0) held as stored, regrouped into the
+// portable panels of quant_vpanel_linear.cpp: one row of the table below per GGML type names its block decoders,
+// Blocks (fp32 codes, for that file's portable driver) and, on AVX512-BF16 builds, DotBlocks (vdpbf16ps operands,
+// for the bf16 panel driver of quant_panel_linear.cpp); each driver runs every row of the table.
 //
 // A weight in these formats is a list of segments (PackedWeight format "gguf", kernels/gguf_blocks.py), each of
 // one GGML type: [panels, K / block, bytes] uint8, where one super-block panel holds the same bytes as P = 2W GGUF
 // blocks of that type (one per output column), regrouped so that every field of a column sits in its lane:
-//   d [P] fp16, dmin [P] fp16 (types with a min), sub-block scales [groups][P] (uint8; Q6_K int8), mins [groups][P],
-//   low nibbles [block][W] (byte j: column j low, column j + W high, as vpanels' INT4), then the code bits above
-//   the nibble [block][P * high / 8] (column c at bit c * high of each k's little-endian field); 8-bit codes (Q8_0)
-//   are signed bytes [block][P] instead of the two planes.
-// A code q (0 .. 2^bits - 1) is the weight gguf-py dequantizes: (d * sc) * (q - bias) - dmin * m, where every
-// product is exact in fp32, so the group epilogue's s = d * sc and o = -dmin * m are gguf-py's own numbers.
+//   d [P] fp16, dmin [P] fp16 (types with a min; Q4_1/Q5_1: m), sub-block scales [groups][P] (uint8; Q6_K int8),
+//   mins [groups][P], low nibbles [block][W] (byte j: column j low, column j + W high, as vpanels' INT4), then the
+//   code bits above the nibble [block][P * high / 8] (column c at bit c * high of each k's little-endian field);
+//   8-bit codes (Q8_0) are signed bytes [block][P] instead of the two planes.
+// A code q (0 .. 2^bits - 1) is the weight gguf-py dequantizes: (d * sc) * (q - bias) - dmin * m (Q4_1/Q5_1:
+// d * q + m; IQ4_NL: d * table[q]), where every product is exact in fp32, so the group epilogue's s = d * sc and
+// o = -dmin * m (or m) are gguf-py's own numbers.
 #pragma once
 
 #include <array>
@@ -31,37 +32,64 @@ using pagoda_simd::W;
 constexpr int P = 2 * W;  // output columns per panel
 
 // GGML type ids (ggml.h's enum ggml_type), as the segment table names them.
-enum GgmlType : int64_t { kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20
+};
+
+// IQ4_NL's non-linear grid (ggml-common.h kvalues_iq4nl, gguf-py's IQ4_NL.kvalues): a code is an index into it.
+alignas(64) constexpr float kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                1,    13,   25,  38,  53,  69,  89,  113};
 
 // One row per type: weights per super-block and per scale, code bits above the low nibble, the code's bias, whether
-// it has per-sub-block scales (else d alone) and mins, and whether the sub-block scales are signed.
+// it has per-sub-block scales (else d alone) and mins, whether the sub-block scales are signed, and whether a code
+// indexes kIq4nlValues (else it is the integer it holds). A min without sub-block scales is the block's own offset
+// (Q4_1, Q5_1: w = d q + m); with them it is scaled by dmin and subtracted (K-quants: w = d sc q - dmin m).
 template <int64_t T>
 struct Traits;
 template <>
+struct Traits<kQ4_0> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 0, kBias = 8;
+  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false, kTable = false;
+};
+template <>
+struct Traits<kQ4_1> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 0, kBias = 0;
+  static constexpr bool kSubScales = false, kMin = true, kSignedScales = false, kTable = false;
+};
+template <>
 struct Traits<kQ4_K> {
   static constexpr int kBlock = 256, kGroup = 32, kHigh = 0, kBias = 0;
-  static constexpr bool kSubScales = true, kMin = true, kSignedScales = false;
+  static constexpr bool kSubScales = true, kMin = true, kSignedScales = false, kTable = false;
 };
 template <>
 struct Traits<kQ5_K> {
   static constexpr int kBlock = 256, kGroup = 32, kHigh = 1, kBias = 0;
-  static constexpr bool kSubScales = true, kMin = true, kSignedScales = false;
+  static constexpr bool kSubScales = true, kMin = true, kSignedScales = false, kTable = false;
 };
 template <>
 struct Traits<kQ6_K> {
   static constexpr int kBlock = 256, kGroup = 16, kHigh = 2, kBias = 32;
-  static constexpr bool kSubScales = true, kMin = false, kSignedScales = true;
+  static constexpr bool kSubScales = true, kMin = false, kSignedScales = true, kTable = false;
 };
 template <>
 struct Traits<kQ5_0> {
   static constexpr int kBlock = 32, kGroup = 32, kHigh = 1, kBias = 16;
-  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false;
+  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false, kTable = false;
 };
-
+template <>
+struct Traits<kQ5_1> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 1, kBias = 0;
+  static constexpr bool kSubScales = false, kMin = true, kSignedScales = false, kTable = false;
+};
+template <>
+struct Traits<kIQ4_NL> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 0, kBias = 0;
+  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false, kTable = true;
+};
 template <>
 struct Traits<kQ8_0> {
   static constexpr int kBlock = 32, kGroup = 32, kHigh = 4, kBias = 0;  // kHigh 4: whole signed bytes
-  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false;
+  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false, kTable = false;
 };
 
 // fn(std::integral_constant<int64_t, T>) for a type known only at run time; false for a type not in the table.
@@ -71,7 +99,11 @@ inline bool dispatch_type(int64_t type, Fn&& fn) {
     case kQ4_K: fn(std::integral_constant<int64_t, kQ4_K>{}); return true;
     case kQ5_K: fn(std::integral_constant<int64_t, kQ5_K>{}); return true;
     case kQ6_K: fn(std::integral_constant<int64_t, kQ6_K>{}); return true;
+    case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); return true;
+    case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); return true;
     case kQ5_0: fn(std::integral_constant<int64_t, kQ5_0>{}); return true;
+    case kQ5_1: fn(std::integral_constant<int64_t, kQ5_1>{}); return true;
+    case kIQ4_NL: fn(std::integral_constant<int64_t, kIQ4_NL>{}); return true;
     case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); return true;
     default: return false;
   }
@@ -120,11 +152,31 @@ struct Blocks {
     }
     if constexpr (Tr::kMin) {
       const auto* dmin = reinterpret_cast<const uint16_t*>(b + 2 * P);
-      const uint8_t* m = b + 4 * P + kGroups * P + j * P;
-      r.o0 = -(pagoda_simd::vload_half(dmin) * widen(m));
-      r.o1 = -(pagoda_simd::vload_half(dmin + W) * widen(m + W));
+      if constexpr (Tr::kSubScales) {
+        const uint8_t* m = b + 4 * P + kGroups * P + j * P;
+        r.o0 = -(pagoda_simd::vload_half(dmin) * widen(m));
+        r.o1 = -(pagoda_simd::vload_half(dmin + W) * widen(m + W));
+      } else {
+        r.o0 = pagoda_simd::vload_half(dmin);
+        r.o1 = pagoda_simd::vload_half(dmin + W);
+      }
     }
     return r;
+  }
+  // kIq4nlValues[q] per lane, as fp32 (q: 0 .. 15).
+  static vf lookup(vi q) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_permutexvar_ps((__m512i)q, _mm512_load_ps(kIq4nlValues));
+#elif defined(__AVX2__)
+    const __m256i i = (__m256i)q;  // bit 3 of the index picks the table's half
+    const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(kIq4nlValues), i);
+    const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(kIq4nlValues + 8), i);
+    return (vf)_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+#else
+    vf r;
+    for (int i = 0; i < W; ++i) r[i] = kIq4nlValues[q[i]];
+    return r;
+#endif
   }
   inline void load(int64_t p, int64_t k, vf& lo, vf& hi) const {
     const uint8_t* b = w + (p * nsb + k / Tr::kBlock) * kBytes + kMeta;
@@ -146,6 +198,11 @@ struct Blocks {
       constexpr uint32_t mask = (1u << Tr::kHigh) - 1;
       a |= (vi)((((vu{} + flo) >> shift) & mask) << 4);
       c |= (vi)((((vu{} + fhi) >> shift) & mask) << 4);
+    }
+    if constexpr (Tr::kTable) {
+      lo = lookup(a);
+      hi = lookup(c);
+      return;
     }
     if constexpr (Tr::kBias != 0) {
       a -= Tr::kBias;
@@ -181,13 +238,14 @@ struct GroupTerms {
 // to 7 bits becomes the word 0x43qq, the bf16 number 128 + q exactly (as the INT4 panels' codes), so each product
 // with a bf16 x is exact in fp32, and the group epilogue takes the carry 128 + bias off with the offsets:
 // w x = s (128 + q) x + (o - (128 + bias) s) x. Q8_0's signed bytes become the bf16 integers they are, through fp32
-// (as Int8Codes). Blocks::load is the reference each decodes as.
+// (as Int8Codes), and IQ4_NL's indices the bf16 words of their table values (integers of 7 bits, exact; no carry).
+// Blocks::load is the reference each decodes as.
 template <int64_t T>
 struct DotBlocks {
   using B = Blocks<T>;
   using Tr = Traits<T>;
   static constexpr bool kWholeBytes = B::kWholeBytes;
-  static constexpr float kCarry = kWholeBytes ? 0.f : 128.f + Tr::kBias;
+  static constexpr float kCarry = kWholeBytes || Tr::kTable ? 0.f : 128.f + Tr::kBias;
   static constexpr int64_t kGroups = B::kGroups;
   static constexpr int64_t kScOffset = 2 * P * (Tr::kMin ? 2 : 1);  // the sub-block scales, after d (and dmin)
   static constexpr int64_t kMOffset = 4 * P + kGroups * P;         // the mins, after the scales
@@ -227,6 +285,20 @@ struct DotBlocks {
       for (int i = 0; i < 64; ++i)
         t[64 * r + i] =
             static_cast<uint8_t>(Tr::kHigh == 2 ? 2 * (16 * (r / 2) + i % 16) + r % 2 : 16 * (r / 2) + i % 16);
+    return t;
+  }();
+  // kIq4nlValues as bf16 words (integers of 7 bits, each exact), split into low bytes (row 0) and high bytes (row 1),
+  // the 16 of each repeated in every 128-bit lane for vpshufb.
+  static constexpr std::array<uint8_t, 128> kTableBytes = [] {
+    std::array<uint8_t, 128> t{};
+    for (int i = 0; i < 64; ++i) {
+      const int v = static_cast<int>(kIq4nlValues[i % 16]), a = v < 0 ? -v : v;
+      int e = 0;
+      while (a >> (e + 1)) ++e;
+      const int bits = (v < 0 ? 0x8000 : 0) | (127 + e) << 7 | ((a << (7 - e)) & 0x7F);
+      t[i] = static_cast<uint8_t>(bits & 0xFF);
+      t[64 + i] = static_cast<uint8_t>(bits >> 8);
+    }
     return t;
   }();
   static __m512i row(const uint8_t* t, int r) { return _mm512_loadu_si512(t + 64 * r); }
@@ -273,8 +345,15 @@ struct DotBlocks {
         z = _mm512_mask_add_epi8(z, m5, z, _mm512_set1_epi8(32));
       }
       z = _mm512_permutexvar_epi8(lanes_of, z);
-      op[2 * z4] = (__m512bh)_mm512_unpacklo_epi8(z, c43);
-      op[2 * z4 + 1] = (__m512bh)_mm512_unpackhi_epi8(z, c43);
+      if constexpr (Tr::kTable) {  // each index's table value as its bf16 word: low byte and high byte by vpshufb
+        const __m512i lo = _mm512_shuffle_epi8(row(kTableBytes.data(), 0), z);
+        const __m512i hi = _mm512_shuffle_epi8(row(kTableBytes.data(), 1), z);
+        op[2 * z4] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+        op[2 * z4 + 1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+      } else {
+        op[2 * z4] = (__m512bh)_mm512_unpacklo_epi8(z, c43);
+        op[2 * z4 + 1] = (__m512bh)_mm512_unpackhi_epi8(z, c43);
+      }
     }
   }
   inline void prefetch(int64_t v, int64_t g, int i) const {
@@ -301,7 +380,9 @@ struct DotBlocks {
     const int64_t j = g % kGroups * P + 16 * h;  // the half's bytes of sub-block g
     if constexpr (Tr::kSubScales) s = _mm512_mul_ps(s, bytes_of(sb + kScOffset + j, Tr::kSignedScales));
     __m512 o = _mm512_setzero_ps();
-    if constexpr (Tr::kMin) o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + j, false)));
+    if constexpr (Tr::kMin && Tr::kSubScales)
+      o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + j, false)));
+    else if constexpr (Tr::kMin) o = d_of(sb, 2 * P, h);  // the block's own offset m
     return {s, carried ? _mm512_fmadd_ps(s, _mm512_set1_ps(-kCarry), o) : o};
   }
 };
