@@ -261,3 +261,25 @@ def test_server_counters_read_vllm_names_first_and_sum_labels() -> None:
     assert [s["requests"] for s in report["servers"]] == [3.0, 2.0]
     assert report["servers"][0]["prefix_hit_rate"] == 1.0 and report["prefix_hit_rate"] == 300.0 / 300.0
     assert "Prefix cache hit rate: 100.0% of 300 prompt tokens" in format_counters(report)
+
+
+def test_server_counters_give_the_engine_steps_and_where_their_time_goes() -> None:
+    from pagoda.bench.serve import counters_report, format_counters, server_counters
+
+    def page(steps: int, tokens: int, step_s: float, forward_s: float) -> str:
+        return "\n".join([
+            "# TYPE pagoda:iteration_tokens_total histogram",
+            f'pagoda:iteration_tokens_total_count{{model_name="m"}} {steps}',
+            f'pagoda:iteration_tokens_total_sum{{model_name="m"}} {tokens}',
+            "# TYPE pagoda:engine_step_seconds histogram",
+            f'pagoda:engine_step_seconds_count{{model_name="m"}} {steps}',
+            f'pagoda:engine_step_seconds_sum{{model_name="m"}} {step_s}',
+            "# TYPE pagoda:model_forward_seconds histogram",
+            f'pagoda:model_forward_seconds_count{{model_name="m"}} {steps}',
+            f'pagoda:model_forward_seconds_sum{{model_name="m"}} {forward_s}',
+            ""])
+
+    report = counters_report(["a/metrics"], [server_counters(page(10, 100, 1.0, 0.5))],
+                             [server_counters(page(110, 4100, 5.0, 3.5))])
+    assert "100 engine steps of 40.0 tokens: 40.0 ms a step, 30.0 ms of it the forward, 10.0 ms the rest" \
+        in format_counters(report)

@@ -15,7 +15,7 @@ def test_cpp_kernels_build_on_this_machine():
 
 @pytest.fixture
 def fallback(monkeypatch):
-    monkeypatch.setattr(fused_ops, "_use_kernel", lambda x, kernel=None: False)
+    monkeypatch.setattr(fused_ops, "_use_kernel", lambda x: False)
 
 
 def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,7 +44,7 @@ def test_rope_rotates_q_and_k_in_place_and_leaves_v(dtype, tol, monkeypatch):
     cos, sin = ang.cos(), ang.sin()
     kernel = qkv.clone()
     fused_ops.rope_(kernel, pos, cos, sin, Hq, Hkv, D)
-    monkeypatch.setattr(fused_ops, "_use_kernel", lambda x, kernel=None: False)
+    monkeypatch.setattr(fused_ops, "_use_kernel", lambda x: False)
     ref = qkv.clone()
     fused_ops.rope_(ref, pos, cos, sin, Hq, Hkv, D)
     torch.testing.assert_close(kernel, ref, atol=tol, rtol=tol)
@@ -66,7 +66,7 @@ def test_partial_rope_rotates_the_table_width_as_transformers_phi3(kernel, monke
     ang = torch.outer(torch.arange(32).float(), 1.0 / 10000 ** (torch.arange(0, R, 2).float() / R))
     cos, sin = ang.cos() * 1.2, ang.sin() * 1.2  # LongRoPE scales the table
     if not kernel:
-        monkeypatch.setattr(fused_ops, "_use_kernel", lambda x, kernel=None: False)
+        monkeypatch.setattr(fused_ops, "_use_kernel", lambda x: False)
     out = qkv.clone()
     fused_ops.rope_(out, pos, cos, sin, Hq, Hkv, D)
     q = qkv[:, : Hq * D].view(T, Hq, D).transpose(0, 1)
@@ -168,7 +168,7 @@ def test_rope_every_tail(D, R, dtype, tol):
     ang = torch.outer(torch.arange(64).float(), 1.0 / 10000 ** (torch.arange(0, R, 2).float() / R))
     got, want = qkv.clone(), qkv.clone()
     fused_ops.rope_(got, pos, ang.cos(), ang.sin(), Hq, Hkv, D)
-    fused_ops.rope_(want, pos, ang.cos(), ang.sin(), Hq, Hkv, D, kernel=False)
+    fused_ops.rope_torch_(want, pos, ang.cos(), ang.sin(), Hq, Hkv, D)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert torch.equal(got.view(T, -1, D)[:, :, R:], qkv.view(T, -1, D)[:, :, R:])
 
@@ -206,10 +206,10 @@ def test_quantized_kv_write_every_tail_stores_the_torch_bytes(dtype, cache_dtype
         v[..., 0] *= 50
         slots = torch.randperm(12)[:9]
         stores = []
-        for kernel in (True, False):
+        for write in (fused_ops.write_kv_cache, fused_ops.write_kv_cache_torch):
             kc, vc = (torch.zeros(3, 2, 4, D, dtype=torch.int8).view(cache_dtype) for _ in range(2))
             ks, vs = torch.zeros(3, 2, 4), torch.zeros(3, 2, 4)
-            fused_ops.write_kv_cache(k, v, kc, vc, slots, ks, vs, kernel=kernel)
+            write(k, v, kc, vc, slots, ks, vs)
             stores.append((kc.view(torch.uint8), vc.view(torch.uint8), ks, vs))
         for a, b in zip(*stores):
             assert torch.equal(a, b), D

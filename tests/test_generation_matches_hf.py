@@ -65,12 +65,19 @@ def test_tiny_llama_greedy_matches_hf(tiny_llama, default_gguf, hf_llama, kernel
 
 
 def test_torch_kernels_setting_keeps_every_layer_off_the_cpp_kernels(tiny_llama, default_gguf):
+    from pagoda.kernels import fused_ops
+    from pagoda.kernels import paged_attention as pa
     from pagoda.layers.linear import Linear
 
     model = LLM(tiny_llama, tokenizer=default_gguf, dtype="bfloat16", kernels="torch",
                 kv_cache_memory="16MiB").engine.runner.model
     assert model.stack is None
-    assert all(not m.kernel for m in model.modules() if hasattr(m, "kernel"))
+    twins = {fused_ops.rms_norm_torch, fused_ops.rope_torch_, fused_ops.silu_and_mul_torch,
+             fused_ops.write_kv_cache_torch, pa.paged_attention_reference}
+    bound = [getattr(m, a) for m in model.modules() if hasattr(m, "bind_ops")
+             for a in ("op", "act", "write_kv", "attend") if getattr(m, a, None) is not None]
+    assert bound and all(f in twins for f in bound)
+    assert not any(layer.fused for layer in model.attention_layers())
     assert all(m.matmul.panels is None and not m.matmul.cpp for m in model.modules() if isinstance(m, Linear))
     assert model.attention_layers()[0].k_cache.dim() == 4  # K words are the C++ attention's layout
     with pytest.raises(ValueError, match="kernels must be one of auto, native, avx2, torch"):

@@ -9,7 +9,7 @@ from references import dense_sdpa
 
 import pagoda.kernels.paged_attention as pa
 from pagoda import LLM, SamplingParams
-from pagoda.kernels.fused_ops import write_kv_cache
+from pagoda.kernels.fused_ops import write_kv_cache, write_kv_cache_torch
 from pagoda.kernels.kv_quant import dequantize_kv, kv_cache_format
 
 QUANT = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -64,7 +64,7 @@ def test_write_then_dequantize_round_trips_within_the_format_bound(path, kv_dtyp
     k, v = kv_like((T, hkv, d), g).to(dtype), kv_like((T, hkv, d), g).to(dtype)
     slots = torch.randperm(nb * bs, generator=g)[:T]
     kc, vc, ks, vs = empty_cache(nb, hkv, bs, d, kv_dtype)
-    write_kv_cache(k, v, kc, vc, slots, ks, vs, kernel=path == "cpp")
+    (write_kv_cache if path == "cpp" else write_kv_cache_torch)(k, v, kc, vc, slots, ks, vs)
     blocks, offs = slots // bs, slots % bs
     for x, cache, scales in ((k, kc, ks), (v, vc, vs)):
         x = x.float()
@@ -86,9 +86,9 @@ def test_cpp_and_torch_writes_store_the_same_bytes(kv_dtype):
     k, v = kv_like((33, 2, 64), g), kv_like((33, 2, 64), g)
     slots = torch.randperm(40, generator=g)[:33]
     stores = []
-    for kernel in (True, False):
+    for write in (write_kv_cache, write_kv_cache_torch):
         kc, vc, ks, vs = empty_cache(10, 2, 4, 64, kv_dtype)
-        write_kv_cache(k, v, kc, vc, slots, ks, vs, kernel=kernel)
+        write(k, v, kc, vc, slots, ks, vs)
         stores.append((kc.view(torch.uint8), vc.view(torch.uint8), ks, vs))
     for a, b in zip(*stores):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
@@ -154,7 +154,8 @@ VS_ORIGINAL_MAX_REL = {"int8": 0.03, "fp8_e4m3": 0.045, "fp8_e5m2": 0.07}
 def test_attention_over_quantized_cache_matches_float_reference(path, kv_dtype, hq, hkv, bs):
     d, scale = 64, 0.125
     q, cache, bt, qsl, sl, ok, ov = make_quant_batch(MIXED, hq, hkv, d, bs, torch.float32, kv_dtype, seed=hq)
-    got = pa.paged_attention(q, cache[0], cache[1], bt, qsl, sl, scale, cache[2], cache[3], kernel=path == "cpp")
+    attend = pa.paged_attention if path == "cpp" else pa.paged_attention_reference
+    got = attend(q, cache[0], cache[1], bt, qsl, sl, scale, cache[2], cache[3])
     dk, dv = dequantized_context(cache, bt, sl, bs)
     # On the dequantized K/V the only difference is fp32 summation order (keys reach |80| on the outlier
     # channel, so scores are large and the softmax sharp: 1e-4, still 10x below any quantization effect).
@@ -195,7 +196,7 @@ def test_attention_decodes_every_8bit_code_exactly(kv_dtype):
     bt = torch.arange(n, dtype=torch.int32).view(n, 1)
     qsl = torch.arange(n + 1, dtype=torch.int32)
     sl = torch.ones(n, dtype=torch.int32)
-    got = pa.paged_attention(q, k, v, bt, qsl, sl, 0.125, torch.ones_like(scales), scales, kernel=True)
+    got = pa.paged_attention(q, k, v, bt, qsl, sl, 0.125, torch.ones_like(scales), scales)
     assert torch.equal(got.view(n, 64), codes.float() * scales.view(n, 1))
 
 

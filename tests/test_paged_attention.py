@@ -10,7 +10,7 @@ import torch
 from references import dense_sdpa
 
 import pagoda.kernels.paged_attention as pa
-from pagoda.kernels.fused_ops import write_kv_cache
+from pagoda.kernels.fused_ops import write_kv_cache, write_kv_cache_torch
 
 
 def make_batch(specs, hq, hkv, d, bs, dtype, seed=0, words=False):
@@ -168,7 +168,8 @@ def test_sliding_window_and_softcap_match_the_dense_reference(kernel, dtype, wor
         bt = free_blocks_before_windows(bt, qsl, sl, bs, window, poison)
     scale = d ** -0.5
     want = dense_window_softcap(q, dk, dv, qsl, sl, scale, window, softcap)
-    got = pa.paged_attention(q, kc, vc, bt, qsl, sl, scale, kernel=kernel, window=window, softcap=softcap)
+    attend = pa.paged_attention if kernel else pa.paged_attention_reference
+    got = attend(q, kc, vc, bt, qsl, sl, scale, window=window, softcap=softcap)
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     if window:  # the window is felt: without it the long rows differ
@@ -176,11 +177,10 @@ def test_sliding_window_and_softcap_match_the_dense_reference(kernel, dtype, wor
 
 
 def test_reference_matches_sdpa_without_kernel():
-    """The fallback path (kernel=False, as under kernels="torch") is the reference and is exact."""
+    """The torch twin (what kernels="torch" binds) is exact."""
     q, kc, vc, bt, qsl, sl, dk, dv = make_batch(MIXED, 9, 3, 64, 4, torch.float32, seed=3)
-    got = pa.paged_attention(q, kc, vc, bt, qsl, sl, 0.125, kernel=False)
+    got = pa.paged_attention_reference(q, kc, vc, bt, qsl, sl, 0.125)
     torch.testing.assert_close(got, dense_sdpa(q, dk, dv, qsl, 0.125), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, pa.paged_attention_reference(q, kc, vc, bt, qsl, sl, 0.125))
 
 
 def test_write_kv_cache_follows_slots():
@@ -211,8 +211,9 @@ def test_write_kv_cache_k_words(kernel):
     k = torch.randn(7, hkv, d).bfloat16()
     v = torch.randn(7, hkv, d).bfloat16()
     slots = torch.tensor([0, 17, 31, 2 * bs + 5, 4 * bs + 15, 3 * bs, 1])
-    write_kv_cache(k, v, rows, v1, slots, kernel=kernel)
-    write_kv_cache(k, v, words, v2, slots, kernel=kernel)
+    write = write_kv_cache if kernel else write_kv_cache_torch
+    write(k, v, rows, v1, slots)
+    write(k, v, words, v2, slots)
     assert torch.equal(pa.k_rows(words), rows) and torch.equal(v1, v2)
     assert torch.equal(pa.k_words(rows), words)
 

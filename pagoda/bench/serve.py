@@ -353,6 +353,11 @@ SERVER_COUNTERS = {
     "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "pagoda:prefix_cache_queries_total"),
     "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "pagoda:prefix_cache_hits_total"),
     "requests": ("vllm:request_success_total", "pagoda:request_success_total"),
+    # Engine steps (vLLM's histogram of tokens per step; Pagoda's step and forward times): where a step's time goes.
+    "steps": ("pagoda:iteration_tokens_total_count", "vllm:iteration_tokens_total_count"),
+    "step_tokens": ("pagoda:iteration_tokens_total_sum", "vllm:iteration_tokens_total_sum"),
+    "step_seconds": ("pagoda:engine_step_seconds_sum",),
+    "forward_seconds": ("pagoda:model_forward_seconds_sum",),
 }
 
 
@@ -411,6 +416,14 @@ def format_counters(report: dict[str, Any]) -> str:
     for srv in report["servers"]:
         requests = f"{srv['requests']:.0f} requests, " if "requests" in srv else ""
         lines.append(f"  {srv['url']}: {requests}hit rate {pct(srv['prefix_hit_rate'])}")
+        if srv.get("steps"):
+            n = srv["steps"]
+            steps = f"    {n:.0f} engine steps of {srv['step_tokens'] / n:.1f} tokens"
+            if srv.get("step_seconds"):
+                step_ms, fwd_ms = 1e3 * srv["step_seconds"] / n, 1e3 * srv.get("forward_seconds", 0.0) / n
+                steps += f": {step_ms:.1f} ms a step, {fwd_ms:.1f} ms of it the forward, " \
+                         f"{step_ms - fwd_ms:.1f} ms the rest"
+            lines.append(steps)
     return "\n".join(lines)
 
 

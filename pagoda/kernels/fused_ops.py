@@ -1,7 +1,9 @@
 """Fused per-layer ops (RMSNorm with residual add, RoPE, SiLU-and-mul, KV write), and the sampler's argmax.
 
-Each has a C++ CPU kernel (pagoda/kernels/cpu/fused_ops.cpp) and a torch fallback with the same
-numerics (fp32 math, HF's rounding points), used off-CPU or when the kernels are unavailable.
+Each has a C++ CPU kernel (pagoda/kernels/cpu/fused_ops.cpp) and a torch twin with the same numerics (fp32 math,
+HF's rounding points): `op` runs the kernel where it is built and takes the tensors (CPU fp32/bf16, the layout it
+reads), else the twin; `op_torch` is the twin alone. A layer binds one of the two once, at its model's prepare(),
+from its KernelPolicy (bind_ops).
 """
 from __future__ import annotations
 
@@ -18,17 +20,20 @@ from pagoda.kernels.kv_quant import quantize_kv
 # and torch's ops round elsewhere.
 
 
-def _use_kernel(x: torch.Tensor, kernel: bool | None = None) -> bool:
-    """`kernel`: the layer's KernelPolicy.cpp, set at prepare(); None: whether the kernels built."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and (kernel_available() if kernel is None else kernel))
+def _use_kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernel_available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """weight * normalize(x); with `residual`: residual += x in place, and the sum is normalized."""
-    if x.dim() == 2 and _use_kernel(x, kernel):
+    if x.dim() == 2 and _use_kernel(x):
         return torch.ops.pagoda.rms_norm(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -40,12 +45,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          num_heads: int, num_kv_heads: int, head_dim: int, kernel: bool | None = None) -> None:
+          num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     """Rotate (rotate-half layout) the q and k heads of fused qkv rows [T, (Hq+2Hkv)*D] in place. cos/sin are
     [max_pos, R/2]: the first R dims of each head rotate, the rest pass through (partial rotary; R = D mostly)."""
-    if _use_kernel(qkv, kernel) and qkv.stride(1) == 1:
+    if _use_kernel(qkv) and qkv.stride(1) == 1:
         torch.ops.pagoda.rope_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
         return
+    rope_torch_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+def rope_torch_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     T = qkv.shape[0]
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(T, -1, head_dim)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
@@ -54,30 +64,41 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     qk[..., : 2 * half] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def silu_and_mul(x: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] = [gate | up] -> silu(gate) * up."""
-    if x.stride(-1) == 1 and x.dim() == 2 and _use_kernel(x, kernel):
+    if x.stride(-1) == 1 and x.dim() == 2 and _use_kernel(x):
         return torch.ops.pagoda.silu_and_mul(x)
+    return silu_and_mul_torch(x)
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None, kernel: bool | None = None) -> None:
+                   v_scale: torch.Tensor | None = None) -> None:
     """Store token t's k[t], v[t] ([Hkv, D]) at cache slot slot_mapping[t] = block * block_size + offset.
 
     With scales ([num_blocks, Hkv, block_size] fp32) the cache is 8-bit (pagoda/kernels/kv_quant.py):
     each (token, head) row is quantized with its own scale on the way in.
     """
     quant = k_scale is not None
-    if (_use_kernel(k, kernel) and (quant or k.dtype == k_cache.dtype) and k_cache.is_contiguous()
+    if (_use_kernel(k) and (quant or k.dtype == k_cache.dtype) and k_cache.is_contiguous()
             and k.stride(-1) == 1 and v.stride(-1) == 1):
         if quant:
             torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         else:
             torch.ops.pagoda.write_kv_(k, v, k_cache, v_cache, slot_mapping)
         return
+    write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def write_kv_cache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> None:
+    quant = k_scale is not None
     bs = v_cache.shape[2]
     slots = slot_mapping.long()
     blocks = torch.div(slots, bs, rounding_mode="floor")

@@ -98,7 +98,6 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    kernel: bool | None = None,
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
@@ -108,11 +107,11 @@ def paged_attention(
     sees keys ``0..p``, or ``p - window + 1..p`` with a sliding ``window`` (> 0); block-table
     entries before the block of a sequence's first visible key are never read. ``softcap`` (> 0)
     caps each scaled score as ``softcap * tanh(s / softcap)`` (Gemma 2). Returns ``[T, Hq, D]`` in ``q``'s dtype.
-    ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit. ``kernel``: the layer's
-    KernelPolicy.cpp (None: whether the kernels built).
+    ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit. The C++ kernel runs where it is built and
+    takes these tensors; `paged_attention_reference` is its torch twin.
     """
     quantized = k_scale is not None
-    use_kernel = kernel_available() if kernel is None else kernel
+    use_kernel = kernel_available()
     if use_kernel and _kernel_supports(q, k_cache, quantized):
         return torch.ops.pagoda.paged_attention(
             q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),

@@ -4,8 +4,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.kernels.fused_ops import write_kv_cache
-from pagoda.kernels.paged_attention import AttentionMetadata, fused_attention_supported, paged_attention
+from pagoda.kernels.fused_ops import write_kv_cache, write_kv_cache_torch
+from pagoda.kernels.paged_attention import (
+    AttentionMetadata,
+    fused_attention_supported,
+    paged_attention,
+    paged_attention_reference,
+)
 from pagoda.layers.rotary import RotaryEmbedding
 
 
@@ -23,13 +28,21 @@ class PagedAttention(nn.Module):
         # Per (block, kv head, slot) fp32 scales when the pool is 8-bit (kv_cache_dtype int8/fp8), else None.
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        self.kernel: bool | None = None  # set by the model's prepare()
+        # RoPE, the cache write and attention as one C++ op (bind_ops), else the three ops below.
+        self.fused = False
+        self.write_kv, self.attend = write_kv_cache, paged_attention
+
+    def bind_ops(self, cpp: bool) -> None:
+        """At the model's prepare(): the C++ kernels (`cpp`: its KernelPolicy's choice) or torch's twins."""
+        self.fused = cpp
+        self.write_kv, self.attend = (write_kv_cache, paged_attention) if cpp else \
+            (write_kv_cache_torch, paged_attention_reference)
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                     rope: RotaryEmbedding) -> torch.Tensor:
         """Fused qkv rows [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]: RoPE, the cache write and attention, in
         one C++ call where the kernels take these tensors (kernels/cpu/attention_block.cpp)."""
-        if self.kernel and fused_attention_supported(qkv, self.k_cache, self.k_scale is not None):
+        if self.fused and fused_attention_supported(qkv, self.k_cache, self.k_scale is not None):
             return torch.ops.pagoda.rope_cache_attention(
                 qkv, positions, rope.cos, rope.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, self.num_heads,
@@ -42,10 +55,9 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq*D]."""
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale, self.kernel)
-        out = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, self.scale, self.k_scale, self.v_scale, self.kernel, self.window,
-                              self.softcap)
+        self.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.attend(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                          self.scale, self.k_scale, self.v_scale, self.window, self.softcap)
         return out.reshape(q.shape[0], -1)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

@@ -9,14 +9,14 @@ and the op is tested against it.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels.fused_ops import silu_and_mul
+from pagoda.kernels.fused_ops import silu_and_mul, silu_and_mul_torch
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.linear import Linear
 
@@ -65,7 +65,7 @@ class ExpertsOp:
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[Expert],
-                  kernel: bool | None = False) -> torch.Tensor:
+                  act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_torch) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t, one expert at a time in torch: each
     chosen expert runs once on the rows that chose it (index_select), its rows are scaled in fp32 into their
     (token, slot) rows, and a token's k rows are summed in slot order (the op's order: kernels/cpu/moe.cpp)."""
@@ -82,7 +82,7 @@ def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exp
         entries = order[start: start + n]
         start += n
         expert = experts[e]
-        h = silu_and_mul(expert.gate_up_proj(x.index_select(0, entries // k)), kernel)
+        h = act(expert.gate_up_proj(x.index_select(0, entries // k)))
         y = expert.down_proj(h)
         contrib.index_copy_(0, entries, y.float() * flat_weights[entries, None])
     rows = contrib.view(t, k, -1)
@@ -107,8 +107,12 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.round_weights = round_weights
-        self.kernel: bool | None = None  # set by the model's prepare()
+        self.act = silu_and_mul  # the torch path's (bind_ops)
         self.op: ExpertsOp | None = None
+
+    def bind_ops(self, cpp: bool) -> None:
+        """At the model's prepare(): the C++ kernel (`cpp`: its KernelPolicy's choice) or torch's twin."""
+        self.act = silu_and_mul if cpp else silu_and_mul_torch
 
     def prepare_experts(self, policy: KernelPolicy) -> None:
         """After the experts' Linears chose their kernels: gather them for the C++ op under `policy`."""
@@ -121,6 +125,6 @@ class SparseMoeBlock(nn.Module):
         if self.op is not None and x.dim() == 2 and x.device.type == "cpu" \
                 and x.dtype in (torch.float32, torch.bfloat16):
             return self.op(x, ids, weights)
-        return moe_reference(x, ids, weights, self.experts, self.kernel)  # type: ignore[arg-type]
+        return moe_reference(x, ids, weights, self.experts, self.act)  # type: ignore[arg-type]
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

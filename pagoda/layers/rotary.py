@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.kernels.fused_ops import rope_
+from pagoda.kernels.fused_ops import rope_, rope_torch_
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int,
@@ -80,7 +80,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = _tables(*self._table_args)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.kernel: bool | None = None  # set by the model's prepare()
+        self.op = rope_
+
+    def bind_ops(self, cpp: bool) -> None:
+        """At the model's prepare(): the C++ kernel (`cpp`: its KernelPolicy's choice) or torch's twin."""
+        self.op = rope_ if cpp else rope_torch_
 
     def materialize(self, device: torch.device) -> None:
         """Build the tables on `device` (a model made on the meta device has none: they are not weights)."""
@@ -90,7 +94,7 @@ class RotaryEmbedding(nn.Module):
     def forward_(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> None:
         """Rotate the q and k parts of fused qkv rows [T, (Hq+2Hkv)*D] in place."""
-        rope_(qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, head_dim, self.kernel)
+        self.op(qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, head_dim)
 
 
 def _tables(dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.decoder_stack import DecoderStack
-from pagoda.kernels.fused_ops import rms_norm
 from pagoda.kernels.paged_attention import AttentionMetadata
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.attention import PagedAttention
@@ -107,7 +106,7 @@ class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """With `residual`: residual += x (in place) and return the norm of the sum."""
         if x.dtype == self.scale.dtype:
-            return rms_norm(x, self.scale, self.eps, residual, self.kernel)
+            return self.op(x, self.scale, self.eps, residual)
         if residual is not None:
             residual.add_(x)
             x = residual

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagoda.kernels.decoder_stack import DecoderStack
-from pagoda.kernels.fused_ops import silu_and_mul
+from pagoda.kernels.fused_ops import silu_and_mul, silu_and_mul_torch
 from pagoda.kernels.paged_attention import AttentionMetadata
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.layers.attention import PagedAttention
@@ -62,10 +62,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, bias=False)
-        self.kernel: bool | None = None  # set by the model's prepare()
+        self.act = silu_and_mul
+
+    def bind_ops(self, cpp: bool) -> None:
+        """At the model's prepare(): the C++ kernel (`cpp`: its KernelPolicy's choice) or torch's twin."""
+        self.act = silu_and_mul if cpp else silu_and_mul_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernel))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)
 
@@ -275,8 +279,8 @@ def prepare_kernels(module: nn.Module, act_dtype: torch.dtype, policy: KernelPol
     for m in module.modules():
         if isinstance(m, Linear):
             m.prepare(act_dtype, policy)
-        elif hasattr(m, "kernel"):
-            m.kernel = policy.cpp
+        elif hasattr(m, "bind_ops"):
+            m.bind_ops(policy.cpp)
 
 
 def weight_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:

@@ -153,7 +153,7 @@ class Eagle3Head(nn.Module):
         a, attn = self.config.args, self.self_attn.attn
         dtype = self.norm.weight.dtype
         shape = (num_blocks, a.num_kv_heads, block_size, a.head_dim)
-        attn.k_cache = torch.empty(k_cache_shape(*shape, dtype, attn.kernel), dtype=dtype)
+        attn.k_cache = torch.empty(k_cache_shape(*shape, dtype, attn.fused), dtype=dtype)
         attn.v_cache = torch.empty(shape, dtype=dtype)
 
 def load_head(path: str | Path, target: ModelArgs, embed: Callable[[torch.Tensor], torch.Tensor],

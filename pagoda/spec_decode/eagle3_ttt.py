@@ -29,7 +29,7 @@ STEP_DECAY = 0.8
 def _norm(dim: int, eps: float) -> RMSNorm:
     """The engine's RMSNorm on its torch path (differentiable; the C++ op is not)."""
     norm = RMSNorm(dim, eps)
-    norm.kernel = False
+    norm.bind_ops(False)
     return norm
 
 
