@@ -1,6 +1,7 @@
-"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0 and Q8_0 kept in their blocks' bits (format "gguf", kernels/gguf_blocks.py): the C++
-kernel computes gguf-py's dequantized weights times x at every row count, with the same bits for a row whatever the
-batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as stored, generating what its float copy does."""
+"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, Q2_K, Q3_K, IQ4_XS and MXFP4 kept in their blocks' bits (format "gguf",
+kernels/gguf_blocks.py): the C++ kernel computes gguf-py's dequantized weights times x at every row count, with the
+same bits for a row whatever the batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as stored, generating
+what its float copy does."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,16 +19,16 @@ from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linea
 from pagoda.quantization.gguf_native import stored_weight
 
 # Byte offsets of each K-quant's fp16 fields (d, dmin): random bytes there could be inf or NaN.
-FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0]
+FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q2_K: [80, 82], T.Q3_K: [108], T.IQ4_XS: [0]}
+TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4]
 ROWS = (1, 3, 17, 64)
 
 
 def random_blocks(qtype: T, rows: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
-    """Valid blocks of `qtype`, uint8 [rows, bytes]: gguf-py's quantizer where it has one (Q5_0, Q8_0), else random
-    bytes (every code and sub-block scale) with finite fp16 scales in [-scale, scale]."""
+    """Valid blocks of `qtype`, uint8 [rows, bytes]: gguf-py's quantizer where it has one (Q5_0, Q8_0, MXFP4), else
+    random bytes (every code and sub-block scale) with finite fp16 scales in [-scale, scale]."""
     rng = np.random.default_rng(seed)
-    if qtype in (T.Q5_0, T.Q8_0):
+    if qtype in (T.Q5_0, T.Q8_0, T.MXFP4):
         return quantize(rng.standard_normal((rows, k)).astype(np.float32) * scale, qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
@@ -83,7 +84,7 @@ def assert_bf16_of(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: flo
 def test_bf16_activations_dot_the_codes_with_the_same_sums_at_every_row_count(qtype: T) -> None:
     """bf16 x: the codes as bf16 numbers in dot products with x (the AVX512-BF16 builds), scales and offsets in each
     group's epilogue: gguf-py's weights times x rounded once, and a row's bits whatever rows share the call."""
-    n, k = 96, 512 if qtype not in (T.Q5_0, T.Q8_0) else 96
+    n, k = 96, 512 if qtype not in (T.Q5_0, T.Q8_0, T.MXFP4) else 96
     raw = random_blocks(qtype, n, k, seed=1)
     ref = reference(raw, qtype)
     pw = prepared(raw, qtype, k, torch.bfloat16)

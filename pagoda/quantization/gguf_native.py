@@ -21,9 +21,9 @@ offsets); the kernels then compute on exactly gguf-py's dequantized weights (tes
   MXFP4   E8M0 exponent, 4-bit e2m1 (doubled)  w = 2^(e-128) t[q]       INT8
 Other types (the IQ1/IQ2/IQ3 codebooks, ternary) and the float tensors (norms) are dequantized to float.
 
-Q4_K, Q5_K, Q6_K and Q5_0 are kept in their blocks' own bits instead (format "gguf", kernels/gguf_blocks.py, which
-also splits their blocks for the decoders here) wherever the C++ kernels are built and the matrix has whole panels
-of rows: the table above is their form where they are not.
+Q4_K, Q5_K, Q6_K, Q5_0, Q2_K, Q3_K, IQ4_XS and MXFP4 are kept in their blocks' own bits instead (format "gguf",
+kernels/gguf_blocks.py, which also splits some of their blocks for the decoders here) wherever the C++ kernels are
+built and the matrix has whole panels of rows: the table above is their form where they are not.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-// GGUF's block formats (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, Q2_K, Q3_K, IQ4_XS, MXFP4) held as stored, regrouped into the portable panels of
-// quant_vpanel_linear.cpp: one row of the table below per GGML type names its block decoders, Blocks (fp32 codes, for
-// that file's portable driver) and, on AVX512-BF16 builds, DotBlocks (vdpbf16ps operands, for the bf16 panel
-// driver of quant_panel_linear.cpp); each driver runs every row of the table.
+// GGUF's block formats (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, Q2_K, Q3_K, IQ4_XS, MXFP4) held as stored, regrouped into the
+// portable panels of quant_vpanel_linear.cpp: one row of the table below per GGML type names its block decoders,
+// Blocks (fp32 codes, for that file's portable driver) and, on AVX512-BF16 builds, DotBlocks (vdpbf16ps operands, for
+// the bf16 panel driver of quant_panel_linear.cpp); each driver runs every row of the table.
 //
 // A weight in these formats is a list of segments (PackedWeight format "gguf", kernels/gguf_blocks.py), each of
 // one GGML type: [panels, K / block, bytes] uint8, where one super-block panel holds the same bytes as P = 2W GGUF
