@@ -1,7 +1,7 @@
 """Every GGUF tensor type Pagoda runs as stored (quantization/gguf_native.py BLOCK_TYPES): random blocks (every
-code, random sub-block scales, finite fp16 fields) decode to exactly gguf-py's dequantized weights, as codes and, for
-the types kept in their blocks' bits, as those blocks (format "gguf"), and the quantized linear on them equals those
-weights times x at every row count, with a row's bits whatever the batch."""
+code, random sub-block scales, finite fp16 fields) decode to exactly gguf-py's dequantized weights, as codes and in
+the form the loader gives it (native_weight: its blocks' bits, format "gguf", for the types kept so), and the
+quantized linear on them equals those weights times x at every row count, with a row's bits whatever the batch."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linear
-from pagoda.quantization.gguf_native import BLOCK_TYPES, keeps_blocks, packed_from_blocks, stored_weight
+from pagoda.quantization.gguf_native import BLOCK_TYPES, keeps_blocks, native_weight, packed_from_blocks
 
 # Byte offsets of each type's fp16 fields (d, dmin, m): random bytes there could be inf or NaN.
 FP16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82],
@@ -34,14 +34,14 @@ def random_blocks(qtype: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
 
 TYPES = [T(q) for q in BLOCK_TYPES]
 # Kept in their blocks' bits wherever the C++ kernels are built: fails if one falls back to codes.
-AS_BLOCKS = {T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4}
+AS_BLOCKS = {T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4}
 
 
 def loaded(raw: np.ndarray, qtype: T, k: int) -> PackedWeight:
-    """The weight as gguf_native_weights loads it: its blocks where keeps_blocks(), else codes."""
+    """The weight as gguf_native_weights loads it (native_weight): its blocks where keeps_blocks(), else codes."""
     kept = keeps_blocks(int(qtype), raw.shape[0])
     assert kept == (qtype in AS_BLOCKS and kernel_available())
-    pw = stored_weight(raw, int(qtype), k) if kept else packed_from_blocks(raw, int(qtype), k)
+    pw = native_weight(raw, int(qtype), k)
     assert (pw.format == "gguf") == kept
     return pw
 
@@ -81,7 +81,8 @@ def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
     assert not torch.equal(packed_from_blocks(raw, int(T.Q4_K), 256).dequantize(), ref)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_1, T.IQ4_NL, T.IQ4_XS, T.MXFP4],
+                         ids=lambda t: t.name)
 def test_bf16_activations_run_the_same_weights(qtype: T) -> None:
     n, k = 32, 256
     raw = random_blocks(qtype, n, k, seed=1)

@@ -1,7 +1,7 @@
-"""GGUF's Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, Q2_K, Q3_K, IQ4_XS and MXFP4 kept in their blocks' bits (format "gguf",
-kernels/gguf_blocks.py): the C++ kernel computes gguf-py's dequantized weights times x at every row count, with the
-same bits for a row whatever the batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as stored, generating
-what its float copy does."""
+"""GGUF's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0, Q2_K, Q3_K, IQ4_XS and MXFP4 in their blocks'
+bits (format "gguf", kernels/gguf_blocks.py): the C++ kernel computes gguf-py's dequantized weights times x at every
+row count, with the same bits for a row whatever the batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as
+stored, generating what its float copy does."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,17 +18,21 @@ from pagoda.kernels import gguf_blocks
 from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linear
 from pagoda.quantization.gguf_native import stored_weight
 
-# Byte offsets of each K-quant's fp16 fields (d, dmin): random bytes there could be inf or NaN.
-FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q2_K: [80, 82], T.Q3_K: [108], T.IQ4_XS: [0]}
-TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4]
+# Byte offsets of the fp16 fields (d, dmin) of the types gguf-py cannot quantize: random bytes there could be inf
+# or NaN.
+FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_NL: [0], T.Q2_K: [80, 82], T.Q3_K: [108],
+               T.IQ4_XS: [0]}
+QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4)  # gguf-py has their quantizers
+TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4]
+BLOCKS_OF_32 = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q8_0, T.MXFP4}
 ROWS = (1, 3, 17, 64)
 
 
 def random_blocks(qtype: T, rows: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
-    """Valid blocks of `qtype`, uint8 [rows, bytes]: gguf-py's quantizer where it has one (Q5_0, Q8_0, MXFP4), else
-    random bytes (every code and sub-block scale) with finite fp16 scales in [-scale, scale]."""
+    """Valid blocks of `qtype`, uint8 [rows, bytes]: gguf-py's quantizer where it has one (QUANTIZABLE), else random
+    bytes (every code and sub-block scale) with finite fp16 scales in [-scale, scale]."""
     rng = np.random.default_rng(seed)
-    if qtype in (T.Q5_0, T.Q8_0, T.MXFP4):
+    if qtype in QUANTIZABLE:
         return quantize(rng.standard_normal((rows, k)).astype(np.float32) * scale, qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
@@ -84,7 +88,7 @@ def assert_bf16_of(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: flo
 def test_bf16_activations_dot_the_codes_with_the_same_sums_at_every_row_count(qtype: T) -> None:
     """bf16 x: the codes as bf16 numbers in dot products with x (the AVX512-BF16 builds), scales and offsets in each
     group's epilogue: gguf-py's weights times x rounded once, and a row's bits whatever rows share the call."""
-    n, k = 96, 512 if qtype not in (T.Q5_0, T.Q8_0, T.MXFP4) else 96
+    n, k = 96, 512 if qtype not in BLOCKS_OF_32 else 96
     raw = random_blocks(qtype, n, k, seed=1)
     ref = reference(raw, qtype)
     pw = prepared(raw, qtype, k, torch.bfloat16)
@@ -130,6 +134,26 @@ def test_bf16_activations_through_a_weight_of_every_type_with_bias() -> None:
         got = quant_linear(x[:m], pw, bias)
         assert torch.equal(got, full[:m])
         assert_bf16_of(got, torch.cat([x[:m].float(), torch.ones(m, 1)], 1), torch.cat([ref, bias[:, None]], 1))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_q4_codes_fuse_with_gguf_blocks_as_the_q4_blocks_they_are(qtype: T) -> None:
+    """q, k in Q4_0 (or Q4_1) beside v in Q5_1 (a Q3_K_M or Q5_K_M file): Q4_0/Q4_1 alone load as INT4 codes (the
+    default model's path), and fused with GGUF blocks they become segments of their own type, with the same
+    weights, instead of a float copy."""
+    from pagoda.quantization.gguf_native import native_weight
+
+    k = 256
+    a, b = random_blocks(qtype, 64, k, seed=6), random_blocks(T.Q5_1, 32, k, seed=7)
+    int4 = native_weight(a, int(qtype), k)
+    assert int4.format == "int4"
+    fused = PackedWeight.cat([int4, native_weight(b, int(T.Q5_1), k)])
+    assert [t for t, _, _ in gguf_blocks.segments(fused.scales)] == [int(qtype), int(T.Q5_1)]
+    assert fused.data[:a.nbytes].numpy().tobytes() == a.tobytes()  # the file's very blocks
+    ref = torch.cat([reference(a, qtype), reference(b, T.Q5_1)])
+    torch.testing.assert_close(fused.dequantize(), ref, rtol=0, atol=0)
+    x = torch.randn(3, k)
+    assert_sums_of(quant_linear(x, kernel_layout(fused, torch.float32), None), x, ref, 1e-5)
 
 
 def test_q8_0_codes_fuse_with_gguf_blocks_as_the_q8_0_blocks_they_are() -> None:

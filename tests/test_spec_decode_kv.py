@@ -48,32 +48,27 @@ class SpecSimulator:
         self.content[(table[pos // self.kv.block_size], pos % self.kv.block_size)] = prefix
 
     def propose(self) -> None:
+        """The end of a step (Speculator.propose): proposals for the next step; an early-exit draft first allocates
+        the target's slots for positions num_computed .. num_tokens + k - 2 and writes partial KV there (it may
+        find the pool short, and propose nothing)."""
+        drafts = {}
         for seq in self.sched.running:
-            seq.spec_token_ids = []
             room = seq.request.max_tokens - seq.num_output_tokens - 1
             if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1 or room <= 0:
                 continue
             k = self.rng.randint(0, min(self.max_k, room))
-            seq.spec_token_ids = [self.rng.randint(0, 2) for _ in range(k)]
-
-    def draft(self, out) -> None:
-        """Early-exit drafting writes partial KV at positions num_computed .. num_tokens + k - 2, in the slots the
-        scheduler allocated for the verification (Speculator.draft); it may leave proposals unfilled."""
-        self._copy(out.block_copies)
-        out.block_copies = []
-        for seq in out.seqs:
-            if seq.spec_token_ids:
-                del seq.spec_token_ids[self.rng.randint(0, len(seq.spec_token_ids)):]
-                for pos in range(seq.num_computed_tokens, seq.num_tokens + len(seq.spec_token_ids) - 1):
+            if k and self.self_draft:
+                if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, k):
+                    continue
+                self._copy(self.kv.take_copies())
+                for pos in range(seq.num_computed_tokens, seq.num_tokens + k - 1):
                     self._write(seq, pos, ("draft",))
-        self.sched.cut_proposals(out)
+            drafts[seq] = [self.rng.randint(0, 2) for _ in range(k)]
+        self.sched.update_draft_token_ids(drafts)
 
     def step(self) -> list[Sequence]:
         kv, bs = self.kv, self.kv.block_size
-        self.propose()
         out = self.sched.schedule()
-        if self.self_draft:
-            self.draft(out)
         self._copy(out.block_copies)
         check_pool(kv)
         for seq, n in zip(out.seqs, out.num_scheduled):
@@ -119,7 +114,11 @@ class SpecSimulator:
             seq = out.seqs[row]
             if not seq.finished:
                 assert seq.num_computed_tokens == seq.num_tokens - 1
+        for seq in out.seqs:  # every scheduled row keeps blocks for its computed tokens only
+            if not seq.finished:
                 assert len(kv.block_tables[seq.seq_id]) == kv.blocks_needed(seq.num_computed_tokens)
+        check_pool(kv)
+        self.propose()
         check_pool(kv)
         return finished
 

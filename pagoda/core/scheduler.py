@@ -245,20 +245,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def cut_proposals(self, sched: SchedulerOutput) -> None:
-        """After drafting: a row whose drafter or grammar filled fewer proposals than were scheduled (model
-        drafts are scheduled as placeholders, see Speculator.propose) verifies only those. Its extra slots
-        stay allocated until update() trims the row."""
-        for row, seq in enumerate(sched.seqs):
-            sched.num_scheduled[row] = min(sched.num_scheduled[row],
-                                           seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens)
+    def update_draft_token_ids(self, drafts: Mapping[Sequence, list[int]]) -> None:
+        """The speculator's proposals for the next step (vLLM v1's update_draft_token_ids): schedule() counts them in
+        its token budget, trims what does not fit and allocates their slots; update() clears them."""
+        for seq in self.running:
+            seq.spec_token_ids = list(drafts.get(seq, ()))
+
+    def queued_prompt_tokens(self) -> int:
+        """Tokens of prompts (or recomputations) not computed yet: the waiting sequences' and those under way."""
+        return sum(s.num_tokens for s in self.waiting) + \
+            sum(s.num_tokens - s.num_computed_tokens for s in self.running if s.num_computed_tokens < s.num_tokens - 1)
 
     def update(self, sched: SchedulerOutput, num_rejected: Mapping[int, int]) -> None:
         """After the step's tokens are appended (vLLM v1's update_from_output): each scheduled row has KV
         for the tokens it was scheduled less those rejected (`num_rejected[row]`: proposals it did not
-        accept, or did not append after a stop), and its full blocks join the prefix cache. A verified
-        row frees blocks that hold only rejected slots; with a sliding window, blocks out of every later query's
-        window are freed. Finished sequences leave and free their blocks."""
+        accept, or did not append after a stop), and its full blocks join the prefix cache. A row frees the blocks
+        past its computed tokens (rejected slots, a self draft's slots the budget did not verify); with a sliding
+        window, blocks out of every later query's window are freed. Finished sequences leave and free their
+        blocks."""
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_scheduled)):
             if seq.finished:  # failed or aborted during the step
                 continue
@@ -267,8 +271,7 @@ class Scheduler:
             seq.spec_token_ids = []
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt,
                                          seq.request.lora_key)
-            if rejected is not None:
-                self.kv.trim(seq.seq_id, seq.num_computed_tokens)
+            self.kv.trim(seq.seq_id, seq.num_computed_tokens)
             self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
         for seq in list(self.running):
             if seq.finish_reason is not None:

@@ -1,4 +1,5 @@
-"""LLMEngine: the step loop. Each step is schedule -> run the model -> sample -> update requests."""
+"""LLMEngine: the step loop. Each step is schedule -> run the model -> sample (and verify proposals) -> update
+requests -> draft the next step's proposals."""
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,7 @@ from pagoda.distributed.errors import WorkerDiedError
 from pagoda.engine.input_processor import InputProcessor, ProcessedRequest
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.stats import EngineStats
-from pagoda.executor.model_runner import ModelRunner
+from pagoda.executor.model_runner import ModelOutput, ModelRunner
 from pagoda.executor.multiproc import TensorParallelRunner
 from pagoda.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from pagoda.lora.request import LoRARequest
@@ -33,7 +34,7 @@ from pagoda.model.loader import resolve_model_files
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.spec_decode.speculator import Speculator
+from pagoda.spec_decode.speculator import Speculator, StepResult, Verified
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
 
@@ -48,9 +49,19 @@ _DEAD_GRAMMAR = "structured_outputs: the constraint allows no next token of this
 
 @dataclass
 class StepStats:
-    """Running totals since the engine started."""
+    """Running totals since the engine started, and the last step that ran the model."""
     num_scheduled_tokens: int = 0
     num_generated_tokens: int = 0
+    num_steps: int = 0
+    last_tokens: int = 0
+    last_seconds: float = 0.0
+    last_forward_seconds: float = 0.0
+
+    def add_step(self, tokens: int, generated: int, seconds: float, forward_seconds: float) -> None:
+        self.num_scheduled_tokens += tokens
+        self.num_generated_tokens += generated
+        self.num_steps += 1
+        self.last_tokens, self.last_seconds, self.last_forward_seconds = tokens, seconds, forward_seconds
 
 
 class LLMEngine:
@@ -112,7 +123,8 @@ class LLMEngine:
         self.stats = StepStats()
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
-            self.speculator = Speculator(config.speculative_config, self.runner, self.kv, self.tokenizer)
+            self.speculator = Speculator(config.speculative_config, self.runner, self.kv, self.tokenizer,
+                                         self.max_model_len, sched_cfg.max_num_batched_tokens)
         logger.info("KV pool: %d blocks of %d tokens (%.0f MiB; %d wanted for %d seqs x %d tokens), dtype %s, "
                     "kv_cache_dtype %s", num_blocks, config.cache.block_size,
                     num_blocks * self.runner.kv_bytes_per_block() / 2**20, blocks_wanted, sched_cfg.max_num_seqs,
@@ -312,6 +324,10 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
+            num_steps=self.stats.num_steps,
+            step_tokens=self.stats.last_tokens,
+            step_seconds=self.stats.last_seconds,
+            step_forward_seconds=self.stats.last_forward_seconds,
         )
         if self.speculator is not None:
             spec = self.speculator.stats
@@ -352,32 +368,50 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t_step = time.perf_counter()
         touched: dict[str, Request] = {r.request_id: r for r in self._admit_loras() + self._admit_grammars()}
-        if self.speculator is not None:  # proposals first: the scheduler budgets and allocates for them
-            self.speculator.propose(self.scheduler, self.max_model_len)
         sched = self.scheduler.schedule()
         if not sched:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("scheduler is stuck: a waiting request cannot get KV blocks")
-            if self._awaiting_grammar and not touched:  # nothing else to do: wait a moment, don't spin
-                futures.wait([r.grammar for r in self._awaiting_grammar if r.grammar is not None], 0.01,
-                             futures.FIRST_COMPLETED)
-            return [self._final_output(r) for r in touched.values()]
+            return self._idle(touched)
         self._step_seqs = list(sched.seqs)
-        if self.speculator is not None:  # model drafts fill the slots just allocated
-            self.speculator.draft(sched)
-            self.scheduler.cut_proposals(sched)
+        self._mark_scheduled(sched)
+        t_fwd = time.perf_counter()
+        out = self.runner.execute(sched, self.kv.block_tables)
+        t_fwd = time.perf_counter() - t_fwd
+        self._record_prompt_logprobs(sched, out.prompt_logits, touched)
+        emitted, verified = self._sample_and_verify(sched, out, touched)
+        appended = self._append_emitted(emitted, touched)
+        # What a verified row scheduled but did not append (rejected proposals, or tokens after a stop) has no valid
+        # KV: the scheduler rolls it back.
+        rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in out.spec_logits}
+        self.scheduler.update(sched, rejected)
+        if self.speculator is not None:  # the next step's proposals, drafted from this step's outcome
+            step = StepResult(sched, rejected, verified, appended, out.aux_hidden, t_fwd, time.perf_counter() - t_step)
+            self.scheduler.update_draft_token_ids(
+                self.speculator.propose(step, self.scheduler.running, self.scheduler.queued_prompt_tokens()))
+        results = self._outputs(touched)
+        self.stats.add_step(sched.total_tokens, sum(appended.values()), time.perf_counter() - t_step, t_fwd)
+        return results
+
+    def _idle(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """A step with nothing to schedule: the outputs of requests admission failed."""
+        if self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("scheduler is stuck: a waiting request cannot get KV blocks")
+        if self._awaiting_grammar and not touched:  # nothing else to do: wait a moment, don't spin
+            futures.wait([r.grammar for r in self._awaiting_grammar if r.grammar is not None], 0.01,
+                         futures.FIRST_COMPLETED)
+        return [self._final_output(r) for r in touched.values()]
+
+    @staticmethod
+    def _mark_scheduled(sched: SchedulerOutput) -> None:
         now = time.time()
         for seq in sched.seqs:
             m = seq.request.metrics
             if m is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        t_fwd = time.perf_counter()
-        out = self.runner.execute(sched, self.kv.block_tables)
-        t_fwd = time.perf_counter() - t_fwd
-        self._record_prompt_logprobs(sched, out.prompt_logits, touched)
 
-        # Sample: one token per sampling row (n > 1 forks siblings onto the same row), and the verified
-        # tokens of every speculative row: one ragged output, appended position by position.
+    def _sample_and_verify(self, sched: SchedulerOutput, out: ModelOutput,
+                           touched: dict[str, Request]) -> tuple[list[Emitted], Verified | None]:
+        """One token per sampling row (n > 1 forks siblings onto the same row), and the verified tokens of every
+        speculative row: one ragged output, appended position by position."""
         emitted: list[Emitted] = []
         rows = [(s, r) for s, r in self._fork_parallel_samples(sched, out.sample_rows) if not s.finished]
         if rows:
@@ -388,30 +422,18 @@ class LLMEngine:
                 out.sample_logits[torch.tensor(row_ids)]
             emitted += [Emitted.sampled(group, sampled) for group, sampled in self._sample(seqs, logits, touched)]
         spec_rows = {r: v for r, v in out.spec_logits.items() if not sched.seqs[r].finished}
-        verified = None
-        if spec_rows and self.speculator is not None:
-            spec_seqs = [sched.seqs[r] for r in spec_rows]
-            verified = self.speculator.verify(spec_seqs, list(spec_rows.values()), self.structured)
-            for seq in verified.dead:
-                self._fail_request(seq.request, _DEAD_GRAMMAR.format(seq.num_output_tokens), 400)
-                touched[seq.request.request_id] = seq.request
-            emitted.append(verified.as_emitted())
-        before = {seq: seq.num_tokens for group in emitted for seq in group.seqs}
-        self._append_emitted(emitted, touched)
-        appended = {seq: seq.num_tokens - n for seq, n in before.items()}
-        num_generated = sum(appended.values())
-        for group in emitted:
-            for seq in group.seqs:
-                if seq.matcher is not None and not seq.finished:
-                    self._guarded(seq.request, touched, self._jump_if_forced, seq)
-        # What a verified row scheduled but did not append (rejected proposals, or tokens after a stop) has no
-        # valid KV: the scheduler rolls it back.
-        rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in spec_rows}
-        self.scheduler.update(sched, rejected)
-        self.stats.num_scheduled_tokens += sched.total_tokens
-        self.stats.num_generated_tokens += num_generated
-        if self.speculator is not None:
-            self.speculator.settle(sched, rejected, verified, appended, out.aux_hidden, t_fwd, t_step)
+        if not spec_rows or self.speculator is None:
+            return emitted, None
+        verified = self.speculator.verify([sched.seqs[r] for r in spec_rows], list(spec_rows.values()),
+                                          self.structured)
+        for seq in verified.dead:
+            self._fail_request(seq.request, _DEAD_GRAMMAR.format(seq.num_output_tokens), 400)
+            touched[seq.request.request_id] = seq.request
+        emitted.append(verified.as_emitted())
+        return emitted, verified
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The step's output of every request it changed; finished requests leave."""
         results = []
         for req in touched.values():
             output = self._guarded(req, touched, self.outputs.make_output, req)
@@ -421,10 +443,12 @@ class LLMEngine:
                 self._release_lora(req)
         return results
 
-    def _append_emitted(self, emitted: list[Emitted], touched: dict[str, Request]) -> None:
+    def _append_emitted(self, emitted: list[Emitted], touched: dict[str, Request]) -> dict[Sequence, int]:
         """Append every sequence's emitted tokens, position by position across sequences, so that a stop
-        truncates what follows it; each token advances its grammar (jump-forward waits until all are in)."""
+        truncates what follows it; each token advances its grammar, and once all are in, a grammar that forces
+        text jumps forward over it. Returns how many tokens each sequence appended (after stops)."""
         on_error = functools.partial(self._request_failed, touched=touched)
+        before = {seq: seq.num_tokens for group in emitted for seq in group.seqs}
         for group in emitted:
             for seq in group.seqs:
                 touched[seq.request.request_id] = seq.request
@@ -438,6 +462,11 @@ class LLMEngine:
                 for seq in seqs:
                     if seq.matcher is not None and not seq.finished:
                         self._guarded(seq.request, touched, self._advance_grammar, seq)
+        appended = {seq: seq.num_tokens - n for seq, n in before.items()}
+        for seq in before:
+            if seq.matcher is not None and not seq.finished:
+                self._guarded(seq.request, touched, self._jump_if_forced, seq)
+        return appended
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 touched: dict[str, Request]) -> list[tuple[list[Sequence], SamplerOutput]]:

@@ -20,3 +20,7 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_emitted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [j]: proposals accepted at position j
+    num_steps: int = 0             # steps that ran the model so far; the last one's figures follow
+    step_tokens: int = 0           # tokens it computed (prompt chunks, decodes, proposals)
+    step_seconds: float = 0.0      # its wall time, scheduling to outputs
+    step_forward_seconds: float = 0.0  # of which the model's forward

@@ -5,14 +5,17 @@ blocks split into codes and fields; one packer regroups any row's blocks into th
 A "gguf" weight is a list of segments, each of one GGML type (a fused q|k|v may hold Q4_K and Q6_K parts): `data`
 uint8 [bytes] holds them one after another, `scales` is the segment table int64 [S, 3] of (GGML type, output rows,
 byte offset). Layout "rows": each segment's GGUF rows as the file stores them; "vpanels": per panel of P output
-columns and per super-block, the P columns' fields (d, dmin, sub-block scales, mins: each [count][P]), their low
-nibbles [block][P / 2] (byte j: column j low, j + P / 2 high) and the code bits above them [block][P * high / 8]
-(then [block][P * top / 8]); 8-bit codes (Q8_0) as signed bytes [block][P] instead. Types with 2 or 3 bits a code
-(Q2_K, Q3_K) have no nibble plane, every code bit in the fields; where the file packs the sub-block scales (Q2_K's
-scale and min nibbles, Q3_K's and IQ4_XS's 6-bit scales) the fields are its packed bytes, the C++ decoder unpacking
-them per column; MXFP4's field is its E8M0 exponent byte, and IQ4_XS's and MXFP4's codes index their type's table.
+columns and per super-block, the P columns' fields (d, dmin or Q4_1/Q5_1's m, sub-block scales, mins: each
+[count][P]), their low nibbles [block][P / 2] (byte j: column j low, j + P / 2 high) and the code bits above them
+[block][P * high / 8] (then [block][P * top / 8]); 8-bit codes (Q8_0) as signed bytes [block][P] instead. Types
+with 2 or 3 bits a code (Q2_K, Q3_K) have no nibble plane, every code bit in the fields; where the file packs the
+sub-block scales (Q2_K's scale and min nibbles, Q3_K's and IQ4_XS's 6-bit scales) the fields are its packed bytes,
+the C++ decoder unpacking them per column; MXFP4's field is its E8M0 exponent byte, and the codes of IQ4_NL, IQ4_XS
+(IQ4_NL's 16-value grid) and MXFP4 index their type's table.
 
-Kept as blocks: Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, Q2_K, Q3_K, IQ4_XS, MXFP4.
+The table holds Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0, Q2_K, Q3_K, IQ4_XS and MXFP4; all but
+Q4_0, Q4_1 and Q8_0 are kept as blocks on their own, those three only fused beside other GGUF blocks
+(quantization/gguf_native.py, PackedWeight.cat).
 """
 from __future__ import annotations
 
@@ -79,6 +82,19 @@ def _q5_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return _nibble_pairs(b[:, 6:22], 1, 16) | (high << 4), [_u16(b[:, 0:2])]
 
 
+def _q5_1(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    high = np.unpackbits(b[:, 4:8], axis=-1, bitorder="little")
+    return _nibble_pairs(b[:, 8:24], 1, 16) | (high << 4), [_u16(b[:, 0:2]), _u16(b[:, 2:4])]
+
+
+def _q4_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    return _nibble_pairs(b[:, 2:18], 1, 16), [_u16(b[:, 0:2])]
+
+
+def _q4_1(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    return _nibble_pairs(b[:, 4:20], 1, 16), [_u16(b[:, 0:2]), _u16(b[:, 2:4])]
+
+
 def _q8_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return b[:, 2:34].copy(), [_u16(b[:, 0:2])]  # the int8 codes' bytes
 
@@ -107,6 +123,10 @@ GGUF_BLOCKS: dict[int, GgufBlock] = {
     int(T.Q5_K): GgufBlock(256, 32, 1, _q5_k),
     int(T.Q6_K): GgufBlock(256, 16, 2, _q6_k),
     int(T.Q5_0): GgufBlock(32, 32, 1, _q5_0),
+    int(T.Q5_1): GgufBlock(32, 32, 1, _q5_1),
+    int(T.Q4_0): GgufBlock(32, 32, 0, _q4_0),
+    int(T.Q4_1): GgufBlock(32, 32, 0, _q4_1),
+    int(T.IQ4_NL): GgufBlock(32, 32, 0, _q4_0),  # as Q4_0's bytes: fp16 d, then 4-bit indices into the table
     int(T.Q8_0): GgufBlock(32, 32, 4, _q8_0),
     int(T.Q2_K): GgufBlock(256, 16, 2, _q2_k, low_bits=0),
     int(T.Q3_K): GgufBlock(256, 16, 2, _q3_k, low_bits=0, top_bits=1),
@@ -176,6 +196,25 @@ def q8_0_from_codes(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Te
     data = torch.cat([half.view(torch.uint8).reshape(n, k // 32, 2), codes.view(torch.uint8).reshape(n, k // 32, 32)],
                      dim=-1)
     return data.reshape(-1), segment_table([(int(T.Q8_0), n, 0)])
+
+
+def q4_from_codes(codes: torch.Tensor, scales: torch.Tensor,
+                  offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Row-major INT4 codes (two a byte, uint8 [N, K / 2]) with one scale and offset per 32 that are fp16 numbers (a
+    Q4_0's or Q4_1's codes and scales) as Q4_0 rows where every offset is -8 times its scale, else Q4_1 rows (the
+    same weights: d q + m with d q exact), or None where a scale or offset is not an fp16 number."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    m = torch.zeros_like(scales) if offsets is None else offsets
+    d, mh = scales.half(), m.half()
+    if not (torch.equal(d.float(), scales) and torch.equal(mh.float(), m)):
+        return None
+    q = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(n, k // 32, 2, 16)  # k order, by halves of a block
+    nibbles = q[:, :, 0] | (q[:, :, 1] << 4)  # GGML's order: byte j holds weights j and j + 16
+    fields = [d.view(torch.uint8).reshape(n, k // 32, 2)]
+    qtype = T.Q4_0 if torch.equal(m, -8 * scales) else T.Q4_1
+    if qtype == T.Q4_1:
+        fields.append(mh.view(torch.uint8).reshape(n, k // 32, 2))
+    return torch.cat([*fields, nibbles], dim=-1).reshape(-1), segment_table([(int(qtype), n, 0)])
 
 
 def take_columns(data: torch.Tensor, table: torch.Tensor, cols: range, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,9 +11,9 @@ per 32 columns and compute with integer dot products: layout "interleave8" (8 in
 AVX2's vpmaddubsw or Arm's sdot) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute
 the same sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another device
 use the torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
-GGUF's block formats (format "gguf": Q4_K, Q5_K, Q6_K, Q5_0, Q2_K, Q3_K, IQ4_XS, MXFP4, kernels/gguf_blocks.py)
-keep their blocks' bits and run the portable panel driver with their own block decoders, at every row count and on
-every build.
+GGUF's block formats (format "gguf": Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS, MXFP4, and Q4_0, Q4_1,
+Q8_0 fused beside them, kernels/gguf_blocks.py) keep their blocks' bits and run the portable panel driver with their
+own block decoders, at every row count and on every build.
 
 Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
 output in one order at every row count, and the fallback multiplies through oneDNN with at least two rows
@@ -261,10 +261,15 @@ class PackedWeight:
             q = self.data[p, :, c]
         return PackedWeight(self.format, q.contiguous(), scales, offsets, self.group_size, self.in_features)
 
-    def _as_q8_0(self) -> PackedWeight:
-        """INT8 codes of fp16 scales per 32 as the Q8_0 blocks they are (else as they are): exactly the same weights."""
-        blocks = gguf_blocks.q8_0_from_codes(self.data, self.scales) \
-            if (self.layout, self.group_size, self.offsets) == ("rows", 32, None) else None
+    def _as_gguf(self) -> PackedWeight:
+        """INT8 codes of fp16 scales per 32 as the Q8_0 blocks they are, INT4 codes of fp16 scales and offsets per 32
+        as Q4_0 or Q4_1 blocks (else as they are): exactly the same weights."""
+        blocks = None
+        if (self.layout, self.group_size) == ("rows", 32) and self.in_features % 32 == 0:
+            if self.format == "int8" and self.offsets is None:
+                blocks = gguf_blocks.q8_0_from_codes(self.data, self.scales)
+            elif self.format == "int4":
+                blocks = gguf_blocks.q4_from_codes(self.data, self.scales, self.offsets)
         if blocks is None:
             return self
         return PackedWeight("gguf", *blocks, None, 32, self.in_features)
@@ -275,7 +280,7 @@ class PackedWeight:
         parts = [p.row_major() for p in parts]
         p0 = parts[0]
         if any(p.format == "gguf" for p in parts):
-            parts = [p._as_q8_0() if p.format == "int8" else p for p in parts]  # a Q8_0 part beside K-quant parts
+            parts = [p._as_gguf() for p in parts]  # a Q8_0 or Q4_0 part beside other GGUF blocks
             if any(p.format != "gguf" or p.in_features != p0.in_features for p in parts):
                 raise ValueError("cannot fuse GGUF blocks with other formats")
             tables, offset = [], 0

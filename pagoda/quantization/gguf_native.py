@@ -21,9 +21,12 @@ offsets); the kernels then compute on exactly gguf-py's dequantized weights (tes
   MXFP4   E8M0 exponent, 4-bit e2m1 (doubled)  w = 2^(e-128) t[q]       INT8
 Other types (the IQ1/IQ2/IQ3 codebooks, ternary) and the float tensors (norms) are dequantized to float.
 
-Q4_K, Q5_K, Q6_K, Q5_0, Q2_K, Q3_K, IQ4_XS and MXFP4 are kept in their blocks' own bits instead (format "gguf",
-kernels/gguf_blocks.py, which also splits some of their blocks for the decoders here) wherever the C++ kernels are
-built and the matrix has whole panels of rows: the table above is their form where they are not.
+Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS and MXFP4 are kept in their blocks' own bits instead
+(format "gguf", kernels/gguf_blocks.py, which also splits some of their blocks for the decoders here) wherever the
+C++ kernels are built and the matrix has whole panels of rows: the table above is their form where they are not.
+Q4_0, Q4_1 and Q8_0 have rows in that block table too, but a matrix of one of them alone keeps its codes (the INT4
+and INT8 panel kernels', with fp16 scales and offsets in vpanels); fused beside GGUF blocks it joins them as the
+blocks it is (PackedWeight.cat).
 """
 from __future__ import annotations
 
@@ -71,11 +74,6 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate((qs & 0xF, qs >> 4), axis=-1)
 
 
-def _bits(packed: np.ndarray, count: int) -> np.ndarray:
-    """Bit i of a little-endian bit field, for i < count."""
-    return np.unpackbits(packed, axis=-1, bitorder="little")[:, :count]
-
-
 def _q4_0(b: np.ndarray) -> Decoded:
     d = _f16(b[:, 0:2])
     return _nibbles(b[:, 2:18]), d, -8.0 * d
@@ -95,8 +93,8 @@ def _q5_0(b: np.ndarray) -> Decoded:
 
 
 def _q5_1(b: np.ndarray) -> Decoded:
-    q = _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8], 32) << 4)
-    return q.astype(np.int8), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    q, (d, m) = GGUF_BLOCKS[int(T.Q5_1)].split(b)
+    return q.astype(np.int8), _half(d), _half(m)
 
 
 def _q8_0(b: np.ndarray) -> Decoded:
@@ -180,9 +178,10 @@ BLOCK_TYPES: dict[int, BlockType] = {
     int(T.MXFP4): BlockType("int8", 32, _mxfp4),
 }
 NATIVE = frozenset(BLOCK_TYPES)
-# Kept in their blocks' bits (stored_weight), where the kernels run them. A Q8_0 matrix alone keeps its INT8 codes
-# (the bf16 panel kernel's); fused beside GGUF blocks it joins them as the Q8_0 blocks it is (PackedWeight.cat).
-STORED = frozenset(GGUF_BLOCKS) - {Q8_0}
+# Kept in their blocks' bits (stored_weight), where the kernels run them. A Q4_0, Q4_1 or Q8_0 matrix alone keeps its
+# INT4 or INT8 codes (the panel kernels', INT8 activations included, which the Q4_1 default model runs); fused beside
+# GGUF blocks it joins them as the blocks it is (PackedWeight.cat).
+STORED = frozenset(GGUF_BLOCKS) - {Q4_0, Q4_1, Q8_0}
 
 
 def keeps_blocks(qtype: int, rows: int) -> bool:
@@ -194,6 +193,14 @@ def stored_weight(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
     """raw: uint8 [N, K / block * type_size] as stored -> a "gguf" PackedWeight holding exactly those bytes."""
     data = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(-1)
     return PackedWeight("gguf", data, segment_table([(qtype, raw.shape[0], 0)]), None, GGUF_BLOCKS[qtype].group, k)
+
+
+def native_weight(raw: np.ndarray, qtype: int, k: int, keep_blocks: bool = True) -> PackedWeight:
+    """raw: uint8 [N, K / block * type_size] as stored -> the PackedWeight the loader makes of it: its blocks' bits
+    where `keep_blocks` and keeps_blocks() allow, else its codes."""
+    if keep_blocks and keeps_blocks(qtype, raw.shape[0]):
+        return stored_weight(raw, qtype, k)
+    return packed_from_blocks(raw, qtype, k)
 
 
 def packed_from_blocks(raw: np.ndarray, qtype: int, k: int) -> PackedWeight:
@@ -239,10 +246,7 @@ def gguf_native_weights(files: ModelFiles, dtype: torch.dtype,
                 yield expert, w
             continue
         if info.qtype in NATIVE and len(info.dims) == 2 and hf.endswith(".weight"):
-            raw = g.raw_tensor(name)
-            pw = stored_weight(raw, info.qtype, info.dims[0]) \
-                if keep_blocks and keeps_blocks(info.qtype, raw.shape[0]) else \
-                packed_from_blocks(raw, info.qtype, info.dims[0])
+            pw = native_weight(g.raw_tensor(name), info.qtype, info.dims[0], keep_blocks)
             if permute and n_head:
                 pw = pw.rows(torch.from_numpy(unpermute_qk(np.arange(pw.out_features), n_head)))
             resident[kind] += pw.nbytes

@@ -2,10 +2,11 @@
 layers (self-speculative early exit, as in LayerSkip and Draft & Verify).
 
 Both run k batched single-token passes per step after one pass that brings the draft's KV up to date.
-The self draft writes its layers' KV into the target's own pool at positions >= num_computed_tokens, in the
-slots the scheduler allocated for the verification that follows: a layer's KV at a position depends only on
-the tokens up to it, and the target's verification pass rewrites every one of those positions (all layers)
-before anything reads them, so nothing drafted leaks into output.
+The self draft writes its layers' KV into the target's own pool at positions >= num_computed_tokens, in slots
+it allocates there for the verification that follows (the scheduler's allocation for that step finds them in
+place, and Scheduler.update frees what the step did not keep): a layer's KV at a position depends only on the
+tokens up to it, and the target's verification pass rewrites every one of those positions (all layers) before
+anything reads them, so nothing drafted leaks into output.
 """
 from __future__ import annotations
 
@@ -60,13 +61,13 @@ class ModelDraftProposer:
 
     def _reserve(self, seq: Sequence, k: int) -> tuple[int, list[int]] | None:
         """Slots for the draft's writes; (first position to feed, block table), or None if the pool is short.
-        A self draft writes into the slots the scheduler allocated for this step's verification (positions
-        num_computed_tokens = n - 1 .. n + k - 1 cover its n - 1 .. n + k - 2)."""
+        A self draft writes into the target's slots for the next verification (positions num_computed_tokens =
+        n - 1 .. n + k - 1 cover its n - 1 .. n + k - 2)."""
         n = seq.num_tokens
         if self.draft_kv is None:
-            table = self.target_kv.block_tables[seq.seq_id]
-            assert len(table) * self.target_kv.block_size >= n + k - 1, "the scheduler allocates the draft's slots"
-            return seq.num_computed_tokens, table
+            if not self.target_kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, k):
+                return None
+            return seq.num_computed_tokens, self.target_kv.block_tables[seq.seq_id]
         # Draft KV past the target's computed tokens may hold proposals never verified (the budget skipped them).
         start = min(self.num_computed.get(seq.seq_id, 0), seq.num_computed_tokens)
         if not self.draft_kv.allocate_slots(seq.seq_id, start, n - start + k - 1):
@@ -94,8 +95,8 @@ class ModelDraftProposer:
             rows.append((seq.token_ids[start:], start, table))
         if not live:
             return drafts, [None] * len(seqs)
-        if self.draft_kv is not None:  # copy-on-write copies a shared block before the draft writes into it
-            self.runner.copy_blocks(self.draft_kv.take_copies())
+        # Copy-on-write copies a shared block before the draft writes into it.
+        self.runner.copy_blocks((self.draft_kv or self.target_kv).take_copies())
         depth = 0
         while True:
             logits = self.runner.forward_rows(rows, self.num_layers)

@@ -1,17 +1,15 @@
 """Speculator: the proposer and verifier beside the model runner (it takes the runner, the KV manager and
-the tokenizer, not the engine).
+the tokenizer, not the engine). The engine calls it twice a step:
 
-propose()  before scheduling: choose k per decoding sequence and fill seq.spec_token_ids, with the n-gram
-           proposals themselves or, for a model drafter, k placeholders. The scheduler counts them in its
-           token budget and allocates their KV slots (it is the only one that allocates in the target pool).
-draft()    after scheduling: a model drafter writes its proposals over the placeholders the budget kept (a
-           self draft writes its layers' KV into the slots just allocated); Scheduler.cut_proposals then
-           drops what the drafter or the grammar left unfilled.
 verify()   after the forward: rejection-sample each sequence's positions into the tokens it emits (a ragged
            Emitted: the accepted proposals and the target's own). The engine appends them through the stop
-           rules and Scheduler.update rolls back what was rejected; then settle() records the acceptance
-           and the step's cost, rolls a draft model back, and hands an EAGLE head the step's target states
-           (eagle3.py).
+           rules, and Scheduler.update rolls back what was rejected.
+propose()  at the end of the step (vLLM v1's drafting after sampling): learn from the step (acceptance, the
+           forward's cost; a draft model rolls back, an EAGLE head keeps the step's target states, eagle3.py),
+           then choose k per decoding sequence and draft the next step's proposals: n-gram lookups, or k passes
+           of a draft model, the target's first layers or an EAGLE head. The engine hands them to
+           Scheduler.update_draft_token_ids; the scheduler counts them in its token budget, may trim them, and
+           allocates their slots for the verification.
 """
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ from pagoda.config import SpeculativeConfig
 from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
-from pagoda.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.sampler import SamplerOutput, SamplingBatch, sampler_output
 from pagoda.model.tokenizer import Tokenizer
@@ -81,11 +79,6 @@ def _calibrate(runner: ModelRunner, num_blocks: int, num_layers: int | None,
     return best[0], best[1]
 
 
-# Stands for a model draft's token in seq.spec_token_ids between propose() and draft(): the scheduler only
-# counts proposals, and the drafter writes them once their slots are allocated.
-DRAFT_PLACEHOLDER = -1
-
-
 @dataclass
 class Verified:
     """What verification decided, for the engine to apply: per sequence, the tokens it emits."""
@@ -109,10 +102,25 @@ class Verified:
         return Emitted([self.seqs[i] for i in live], [self.emitted[i] for i in live], output_at)
 
 
+@dataclass
+class StepResult:
+    """What a step did, after Scheduler.update, for the speculator to learn from."""
+    sched: SchedulerOutput
+    rejected: Mapping[int, int]     # per verified row: tokens scheduled and not appended (rolled back)
+    verified: Verified | None
+    appended: dict[Sequence, int]   # tokens appended per sequence, after stops
+    aux_hidden: torch.Tensor | None  # the target's states an EAGLE head drafts from
+    forward_s: float                # seconds of the step's forward
+    step_s: float                   # seconds of the step before drafting
+
+
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager, tokenizer: Tokenizer,
+                 max_model_len: int, token_budget: int) -> None:
         self.cfg = cfg
         self.target = target
+        self.max_model_len = max_model_len
+        self.token_budget = token_budget  # the scheduler's tokens per step
         self.stats = SpecDecodeStats()
         self.ngram: NgramProposer | None = None
         self.drafter: ModelDraftProposer | Eagle3Proposer | None = None
@@ -146,62 +154,6 @@ class Speculator:
                         1e3 * cost.c0, 1e3 * cost.c1, 1e3 * cost.d0, 1e3 * cost.d1)
         self.policy = AdaptivePolicy(cost)
 
-    # ---- before scheduling -----------------------------------------------------------------------
-    def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
-        running = scheduler.running
-        for seq in running:
-            seq.spec_token_ids = []
-        self._draft_probs.clear()
-        live = {s.seq_id for s in running}
-        self.policy.forget_except(live)
-        if self.drafter is not None:
-            self.drafter.release_except(live)
-        K = self.cfg.num_speculative_tokens
-        cands: list[Sequence] = []
-        max_ks: list[int] = []
-        pending = sum(s.num_tokens for s in scheduler.waiting)
-        for seq in running:
-            if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
-                pending += seq.num_tokens - seq.num_computed_tokens  # still prefilling
-                continue
-            # Emitting k + 1 tokens must stay within max_tokens, and the k KV positions within the context.
-            k = min(K, seq.request.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
-            if k > 0:
-                cands.append(seq)
-                max_ks.append(k)
-        if not cands:
-            return
-        other = min(pending, max(0, scheduler.config.max_num_batched_tokens - len(running)))
-        if self.ngram is not None:
-            proposals = self.ngram.propose([s.token_ids for s in cands], max_ks)
-            ks = [len(p) for p in proposals]
-            if self.cfg.adaptive:
-                ks = self.policy.choose([s.seq_id for s in cands], ks, other)
-            for seq, p, k in zip(cands, proposals, ks):
-                seq.spec_token_ids = _grammar_prefix(seq, p[:k])
-            return
-        ks = self.policy.choose([s.seq_id for s in cands], max_ks, other) if self.cfg.adaptive else max_ks
-        for seq, k in zip(cands, ks):
-            seq.spec_token_ids = [DRAFT_PLACEHOLDER] * k
-
-    def draft(self, sched: SchedulerOutput) -> None:
-        """A model drafter writes its proposals over the placeholders of the scheduled rows (as many as the
-        budget kept), cut to what each grammar allows; the n-gram proposer has nothing left to do."""
-        if self.drafter is None:
-            return
-        rows = [s for s in sched.seqs if s.spec_token_ids]
-        if not rows:
-            return
-        # A self draft reads the target's pool: copy-on-write copies first.
-        if isinstance(self.drafter, ModelDraftProposer) and self.drafter.draft_kv is None:
-            self.target.copy_blocks(sched.block_copies)
-            sched.block_copies = []
-        drafts, probs = self.drafter.propose(rows, [len(s.spec_token_ids) for s in rows])
-        for seq, d, q in zip(rows, drafts, probs):
-            seq.spec_token_ids = _grammar_prefix(seq, d)
-            if q is not None:
-                self._draft_probs[seq.seq_id] = q
-
     # ---- after the forward -----------------------------------------------------------------------
     def verify(self, seqs: list[Sequence], logits: list[torch.Tensor],
                structured: StructuredOutputManager) -> Verified:
@@ -234,20 +186,57 @@ class Speculator:
         return Verified(seqs, emitted, [r.params_batch_index for r in rows], [len(r.draft) for r in rows],
                         raw_logprobs, batch.max_logprobs, dead)
 
-    def settle(self, sched: SchedulerOutput, rejected: Mapping[int, int], verified: Verified | None,
-               appended: dict[Sequence, int], aux_hidden: torch.Tensor | None, forward_s: float,
-               step_started: float) -> None:
-        """The step's last word, after the emitted tokens are appended (`appended`: how many per sequence, after
-        stops) and Scheduler.update rolled back each row's `rejected` tokens: count the acceptance, let the
-        adaptive policy learn from it and from the step's cost (`forward_s` of the forward, the step begun at
-        perf_counter `step_started`), roll a draft model back, and let an EAGLE head keep the states of the
-        positions the step made valid."""
+    # ---- at the end of the step -----------------------------------------------------------------
+    def propose(self, step: StepResult, running: list[Sequence], queued_tokens: int) -> dict[Sequence, list[int]]:
+        """Learn from `step`, then draft the next step's proposals for the decoding sequences of `running`
+        (`queued_tokens`: prompt tokens still to compute, which share the next steps). Returns each sequence's
+        proposals, cut to what its grammar allows."""
         if isinstance(self.drafter, Eagle3Proposer):
-            self.drafter.record(sched, rejected, aux_hidden)
-        if verified is not None:
-            self._count(verified, appended)
+            self.drafter.record(step.sched, step.rejected, step.aux_hidden)
+        if step.verified is not None:
+            self._count(step.verified, step.appended)
         if self.cfg.adaptive:
-            self.policy.cost.observe(sched.total_tokens, forward_s, time.perf_counter() - step_started)
+            self.policy.cost.observe(step.sched.total_tokens, step.forward_s, step.step_s)
+        self._draft_probs.clear()
+        live = {s.seq_id for s in running}
+        self.policy.forget_except(live)
+        if self.drafter is not None:
+            self.drafter.release_except(live)
+        K = self.cfg.num_speculative_tokens
+        cands: list[Sequence] = []
+        max_ks: list[int] = []
+        for seq in running:
+            if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue  # still prefilling
+            # Emitting k + 1 tokens must stay within max_tokens, and the k KV positions within the context.
+            k = min(K, seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+            if k > 0:
+                cands.append(seq)
+                max_ks.append(k)
+        if not cands:
+            return {}
+        other = min(queued_tokens, max(0, self.token_budget - len(running)))
+        ids = [s.seq_id for s in cands]
+        if self.ngram is not None:
+            proposals = self.ngram.propose([s.token_ids for s in cands], max_ks)
+            ks = [len(p) for p in proposals]
+            if self.cfg.adaptive:
+                ks = self.policy.choose(ids, ks, other)
+            drafts = {seq: _grammar_prefix(seq, p[:k]) for seq, p, k in zip(cands, proposals, ks) if k}
+            return {seq: d for seq, d in drafts.items() if d}
+        ks = self.policy.choose(ids, max_ks, other) if self.cfg.adaptive else max_ks
+        rows = [(seq, k) for seq, k in zip(cands, ks) if k > 0]
+        if not rows:
+            return {}
+        assert self.drafter is not None
+        tokens, probs = self.drafter.propose([seq for seq, _ in rows], [k for _, k in rows])
+        drafts = {}
+        for (seq, _), d, q in zip(rows, tokens, probs):
+            if q is not None:
+                self._draft_probs[seq.seq_id] = q
+            if d := _grammar_prefix(seq, d):
+                drafts[seq] = d
+        return drafts
 
     def _count(self, verified: Verified, appended: dict[Sequence, int]) -> None:
         """Acceptance into the stats and the adaptive policy; a draft model rolls back what was rejected."""
@@ -347,5 +336,5 @@ def _mask_to_grammar(flat: torch.Tensor, seqs: list[Sequence], rows: list[reject
         if i == 0:
             dead.append(seqs[s])
         elif len(rows[s].draft) >= i:
-            rows[s].draft = seqs[s].spec_token_ids = rows[s].draft[:i - 1]
+            rows[s].draft = rows[s].draft[:i - 1]
     return dead

@@ -307,7 +307,9 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
     for name in ("pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
                  "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total", "pagoda:num_preemptions_total",
                  "pagoda:time_to_first_token_seconds_count", "pagoda:time_per_output_token_seconds_count",
-                 "pagoda:e2e_request_latency_seconds_count", "pagoda:request_queue_time_seconds_count"):
+                 "pagoda:e2e_request_latency_seconds_count", "pagoda:request_queue_time_seconds_count",
+                 "pagoda:iteration_tokens_total_count", "pagoda:engine_step_seconds_count",
+                 "pagoda:model_forward_seconds_count"):
         assert name in before, name
     resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0,
                                      extra_body={"ignore_eos": True})
@@ -317,6 +319,16 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):
         assert after[f"pagoda:{name}_count"] == before[f"pagoda:{name}_count"] + 1, name
+    # One step computes the prompt (less what the prefix cache holds) and samples token 1; four decode steps follow.
+    # (The engine publishes a step's figures just after handing out its tokens.)
+    steps = "pagoda:engine_step_seconds_count"
+    wait_for(lambda: metrics(server)[steps] >= before[steps] + 5, what="the last step's metrics")
+    after = metrics(server)
+    delta = {k: after[k] - before[k] for k in after if k.startswith(("pagoda:iteration", "pagoda:engine_step",
+                                                                      "pagoda:model_forward"))}
+    assert delta["pagoda:iteration_tokens_total_count"] == delta["pagoda:engine_step_seconds_count"] == 5
+    assert 5 <= delta["pagoda:iteration_tokens_total_sum"] <= resp.usage.prompt_tokens + 4
+    assert delta["pagoda:engine_step_seconds_sum"] >= delta["pagoda:model_forward_seconds_sum"] > 0
 
 
 def test_prefix_cache_hits_show_on_metrics_and_reset_route_works(server: ServerProcess,

@@ -29,7 +29,9 @@ _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX, VLLM_PREFIX = "pagoda:", "vllm:"
 # Pagoda's own series with no vLLM counterpart: not mirrored.
-_PAGODA_ONLY = frozenset({"pagoda:num_free_kv_blocks"})
+_STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+_PAGODA_ONLY = frozenset({"pagoda:num_free_kv_blocks", "pagoda:engine_step_seconds", "pagoda:model_forward_seconds"})
 
 
 class ServerMetrics:
@@ -85,6 +87,12 @@ class ServerMetrics:
                                           _TOKEN_BUCKETS)
         self.request_generation_tokens = hist("pagoda:request_generation_tokens", "Generated tokens per request",
                                               _TOKEN_BUCKETS)
+        self.iteration_tokens = hist("pagoda:iteration_tokens_total", "Tokens computed per engine step",
+                                     _ITERATION_TOKEN_BUCKETS)
+        self.step_seconds = hist("pagoda:engine_step_seconds", "Wall time of an engine step that ran the model",
+                                 _STEP_BUCKETS)
+        self.forward_seconds = hist("pagoda:model_forward_seconds", "Wall time of a step's model forward",
+                                    _STEP_BUCKETS)
         self.cache_config_info = Gauge("pagoda:cache_config_info", "The KV cache's configuration (the value is 1)",
                                        ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"],
                                        registry=r)
@@ -96,7 +104,8 @@ class ServerMetrics:
                        self.prefix_cache_queries, self.prefix_cache_hits, self.spec_drafts, self.spec_draft_tokens,
                        self.spec_accepted_tokens, self.spec_emitted_tokens,
                        self.ttft, self.tpot, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
-                       self.request_prompt_tokens, self.request_generation_tokens):
+                       self.request_prompt_tokens, self.request_generation_tokens, self.iteration_tokens,
+                       self.step_seconds, self.forward_seconds):
             metric.labels(model_name)
         r.register(VllmNames([m for m in vars(self).values() if isinstance(m, MetricWrapperBase)]))
 
@@ -115,6 +124,11 @@ class ServerMetrics:
         self.num_requests_waiting.labels(m).set(stats.num_waiting)
         self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
         self.num_free_blocks.labels(m).set(stats.num_free_blocks)
+        if stats.num_steps > self._last_totals.get("steps", 0):  # a step that ran the model (not a failure)
+            self._last_totals["steps"] = stats.num_steps
+            self.iteration_tokens.labels(m).observe(stats.step_tokens)
+            self.step_seconds.labels(m).observe(stats.step_seconds)
+            self.forward_seconds.labels(m).observe(stats.step_forward_seconds)
         # The engine keeps running totals; counters want increments.
         for name, counter_, total in (("preemptions", self.num_preemptions, stats.num_preemptions),
                                       ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),

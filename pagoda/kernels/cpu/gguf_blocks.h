@@ -1,20 +1,22 @@
-// GGUF's block formats (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, Q2_K, Q3_K, IQ4_XS, MXFP4) held as stored, regrouped into the
-// portable panels of quant_vpanel_linear.cpp: one row of the table below per GGML type names its block decoders,
-// Blocks (fp32 codes, for that file's portable driver) and, on AVX512-BF16 builds, DotBlocks (vdpbf16ps operands, for
-// the bf16 panel driver of quant_panel_linear.cpp); each driver runs every row of the table.
+// GGUF's block formats (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0, Q2_K, Q3_K, IQ4_XS, MXFP4) held as
+// stored, regrouped into the portable panels of quant_vpanel_linear.cpp: one row of the table below per GGML type
+// names its block decoders, Blocks (fp32 codes, for that file's portable driver) and, on AVX512-BF16 builds,
+// DotBlocks (vdpbf16ps operands, for the bf16 panel driver of quant_panel_linear.cpp); each driver runs every row of
+// the table.
 //
 // A weight in these formats is a list of segments (PackedWeight format "gguf", kernels/gguf_blocks.py), each of
 // one GGML type: [panels, K / block, bytes] uint8, where one super-block panel holds the same bytes as P = 2W GGUF
 // blocks of that type (one per output column), regrouped so that every field of a column sits in its lane:
-//   d [P] fp16, dmin [P] fp16 (types with a min), sub-block scales [groups][P] (uint8; Q6_K int8), mins [groups][P],
-//   low nibbles [block][W] (byte j: column j low, column j + W high, as vpanels' INT4), then the code bits above
-//   the nibble [block][P * high / 8] (column c at bit c * high of each k's little-endian field); 8-bit codes (Q8_0)
-//   are signed bytes [block][P] instead of the two planes. A row's Layout (below) may drop the nibble plane (every
-//   code bit in fields), add a second field above the first, hold d as an E8M0 byte [P], or keep the sub-block
-//   scales packed as the file packs them (rows of [P] bytes, decoded per lane).
-// A code q (0 .. 2^bits - 1) is the weight gguf-py dequantizes: (d * sc) * (q - bias) - dmin * m, where every
-// product is exact in fp32, so the group epilogue's s = d * sc and o = -dmin * m are gguf-py's own numbers. With a
-// value table (IQ4_XS, MXFP4) the code indexes it and the weight is s * table[q], again exact.
+//   d [P] fp16, dmin [P] fp16 (types with a min; Q4_1/Q5_1: m), sub-block scales [groups][P] (uint8; Q6_K int8),
+//   mins [groups][P], low nibbles [block][W] (byte j: column j low, column j + W high, as vpanels' INT4), then the
+//   code bits above the nibble [block][P * high / 8] (column c at bit c * high of each k's little-endian field);
+//   8-bit codes (Q8_0) are signed bytes [block][P] instead of the two planes. A row's Layout (below) may drop the
+//   nibble plane (every code bit in fields), add a second field above the first, hold d as an E8M0 byte [P], or keep
+//   the sub-block scales packed as the file packs them (rows of [P] bytes, decoded per lane).
+// A code q (0 .. 2^bits - 1) is the weight gguf-py dequantizes: (d * sc) * (q - bias) - dmin * m (Q4_1/Q5_1:
+// d * q + m), where every product is exact in fp32, so the group epilogue's s = d * sc and o = -dmin * m (or m) are
+// gguf-py's own numbers. With a value table (IQ4_NL, IQ4_XS, MXFP4) the code indexes it and the weight is
+// s * table[q], again exact.
 #pragma once
 
 #include <array>
@@ -34,13 +36,27 @@ using pagoda_simd::W;
 constexpr int P = 2 * W;  // output columns per panel
 
 // GGML type ids (ggml.h's enum ggml_type), as the segment table names them.
-enum GgmlType : int64_t { kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-enum GgmlSuperType : int64_t { kQ2_K = 10, kQ3_K = 11, kIQ4_XS = 23, kMXFP4 = 39 };
+enum GgmlType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
+};
 
 // One row per type: weights per super-block and per scale, code bits above the low nibble, the code's bias, whether
-// it has per-sub-block scales (else d alone) and mins, and whether the sub-block scales are signed.
+// it has per-sub-block scales (else d alone) and mins, and whether the sub-block scales are signed. A min without
+// sub-block scales is the block's own offset (Q4_1, Q5_1: w = d q + m); with them it is scaled by dmin and
+// subtracted (K-quants: w = d sc q - dmin m).
 template <int64_t T>
 struct Traits;
+template <>
+struct Traits<kQ4_0> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 0, kBias = 8;
+  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false;
+};
+template <>
+struct Traits<kQ4_1> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 0, kBias = 0;
+  static constexpr bool kSubScales = false, kMin = true, kSignedScales = false;
+};
 template <>
 struct Traits<kQ4_K> {
   static constexpr int kBlock = 256, kGroup = 32, kHigh = 0, kBias = 0;
@@ -61,7 +77,11 @@ struct Traits<kQ5_0> {
   static constexpr int kBlock = 32, kGroup = 32, kHigh = 1, kBias = 16;
   static constexpr bool kSubScales = false, kMin = false, kSignedScales = false;
 };
-
+template <>
+struct Traits<kQ5_1> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 1, kBias = 0;
+  static constexpr bool kSubScales = false, kMin = true, kSignedScales = false;
+};
 template <>
 struct Traits<kQ8_0> {
   static constexpr int kBlock = 32, kGroup = 32, kHigh = 4, kBias = 0;  // kHigh 4: whole signed bytes
@@ -79,6 +99,20 @@ struct PlainLayout {
 };
 template <int64_t T>
 struct Layout : PlainLayout {};
+// IQ4_NL's non-linear grid (ggml-common.h kvalues_iq4nl, gguf-py's IQ4_NL.kvalues), which IQ4_XS's codes index too.
+struct Iq4nlLayout : PlainLayout {
+  static constexpr bool kLookup = true;
+  static constexpr int8_t kTable[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+};
+
+// IQ4_NL: fp16 d, 4-bit indices into the grid (Q4_0's bytes).
+template <>
+struct Traits<kIQ4_NL> {
+  static constexpr int kBlock = 32, kGroup = 32, kHigh = 0, kBias = 0;
+  static constexpr bool kSubScales = false, kMin = false, kSignedScales = false;
+};
+template <>
+struct Layout<kIQ4_NL> : Iq4nlLayout {};
 
 // Q2_K: 2-bit codes, 16 bytes of (4-bit sc, 4-bit m) as stored.
 template <>
@@ -106,16 +140,14 @@ struct Layout<kQ3_K> : PlainLayout {
     return (((row(j % 8) >> lo) & 0xF) | (((row(8 + j % 4) >> hi) & 3) << 4)) - 32;
   }
 };
-// IQ4_XS: IQ4_NL's table, 6-bit scales (less 32) as stored: scales_h (2 bytes), then scales_l (4).
+// IQ4_XS: IQ4_NL's grid, 6-bit scales (less 32) as stored: scales_h (2 bytes), then scales_l (4).
 template <>
 struct Traits<kIQ4_XS> {
   static constexpr int kBlock = 256, kGroup = 32, kHigh = 0, kBias = 0;
   static constexpr bool kSubScales = true, kMin = false, kSignedScales = true;
 };
 template <>
-struct Layout<kIQ4_XS> : PlainLayout {
-  static constexpr bool kLookup = true;
-  static constexpr int8_t kTable[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+struct Layout<kIQ4_XS> : Iq4nlLayout {
   static constexpr int kScaleRows = 6;
   template <class Row> static vi scale(const Row& row, int64_t j) {
     const int lo = static_cast<int>(4 * (j % 2)), hi = static_cast<int>(2 * (j % 4));
@@ -142,6 +174,12 @@ inline vf lookup16(const int8_t* table, vi idx) {
 #if defined(__AVX512F__)
   const __m512 t = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))));
   return (vf)_mm512_permutexvar_ps((__m512i)idx, t);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table));
+  const __m256i i = (__m256i)idx;  // bit 3 of the index picks the table's half
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), i);
+  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), i);
+  return (vf)_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
 #else
   vf r;
   for (int i = 0; i < W; ++i) r[i] = static_cast<float>(table[idx[i]]);
@@ -156,7 +194,11 @@ inline bool dispatch_type(int64_t type, Fn&& fn) {
     case kQ4_K: fn(std::integral_constant<int64_t, kQ4_K>{}); return true;
     case kQ5_K: fn(std::integral_constant<int64_t, kQ5_K>{}); return true;
     case kQ6_K: fn(std::integral_constant<int64_t, kQ6_K>{}); return true;
+    case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); return true;
+    case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); return true;
     case kQ5_0: fn(std::integral_constant<int64_t, kQ5_0>{}); return true;
+    case kQ5_1: fn(std::integral_constant<int64_t, kQ5_1>{}); return true;
+    case kIQ4_NL: fn(std::integral_constant<int64_t, kIQ4_NL>{}); return true;
     case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); return true;
     case kQ2_K: fn(std::integral_constant<int64_t, kQ2_K>{}); return true;
     case kQ3_K: fn(std::integral_constant<int64_t, kQ3_K>{}); return true;
@@ -215,9 +257,14 @@ struct Blocks {
     }
     if constexpr (Tr::kMin) {
       const auto* dmin = reinterpret_cast<const uint16_t*>(b + 2 * P);
-      const uint8_t* m = b + 4 * P + kGroups * P + j * P;
-      r.o0 = -(pagoda_simd::vload_half(dmin) * widen(m));
-      r.o1 = -(pagoda_simd::vload_half(dmin + W) * widen(m + W));
+      if constexpr (Tr::kSubScales) {
+        const uint8_t* m = b + 4 * P + kGroups * P + j * P;
+        r.o0 = -(pagoda_simd::vload_half(dmin) * widen(m));
+        r.o1 = -(pagoda_simd::vload_half(dmin + W) * widen(m + W));
+      } else {
+        r.o0 = pagoda_simd::vload_half(dmin);
+        r.o1 = pagoda_simd::vload_half(dmin + W);
+      }
     }
     return r;
   }
@@ -332,7 +379,8 @@ constexpr uint16_t bf16_of(int v) {
 // to 7 bits becomes the word 0x43qq, the bf16 number 128 + q exactly (as the INT4 panels' codes), so each product
 // with a bf16 x is exact in fp32, and the group epilogue takes the carry 128 + bias off with the offsets:
 // w x = s (128 + q) x + (o - (128 + bias) s) x. Q8_0's signed bytes become the bf16 integers they are, through fp32
-// (as Int8Codes); a table's index (IQ4_XS, MXFP4) becomes its value's bf16 word through vpermw, with no carry.
+// (as Int8Codes); a table's index (IQ4_NL, IQ4_XS, MXFP4) becomes its value's bf16 word (an integer of at most 7
+// bits, exact) through vpermw, with no carry.
 // Blocks::load is the reference each decodes as.
 template <int64_t T>
 struct DotBlocks {
@@ -470,7 +518,9 @@ struct DotBlocks {
     const int64_t j = g % kGroups * P + 16 * h;  // the half's bytes of sub-block g
     if constexpr (Tr::kSubScales) s = _mm512_mul_ps(s, bytes_of(sb + kScOffset + j, Tr::kSignedScales));
     __m512 o = _mm512_setzero_ps();
-    if constexpr (Tr::kMin) o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + j, false)));
+    if constexpr (Tr::kMin && Tr::kSubScales)
+      o = _mm512_sub_ps(o, _mm512_mul_ps(d_of(sb, 2 * P, h), bytes_of(sb + kMOffset + j, false)));
+    else if constexpr (Tr::kMin) o = d_of(sb, 2 * P, h);  // the block's own offset m
     return {s, carried ? _mm512_fmadd_ps(s, _mm512_set1_ps(-kCarry), o) : o};
   }
   // A Layout's group (Blocks::packed_group's numbers for the half's 16 columns).

@@ -24,7 +24,7 @@ enum LinearFormat : int64_t {
   kInt8v = 9,    // INT8 in portable panels
   kFp8v = 10,    // FP8 in portable panels
   kGguf = 11,    // GGUF super-blocks as stored, row-major (no kernel reads them: prepared as kGgufV)
-  kGgufV = 12,   // GGUF super-blocks (Q4_K, Q5_K, Q6_K, Q5_0) in portable panels (gguf_blocks.h)
+  kGgufV = 12,   // GGUF blocks (K-quants, 32-weight types) in portable panels (gguf_blocks.h)
 };
 
 }  // namespace pagoda_cpu
