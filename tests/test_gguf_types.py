@@ -1,7 +1,7 @@
-"""Every GGUF tensor type Pagoda runs as stored (quantization/gguf_native.py BLOCK_TYPES), in the form the loader
-gives it (its blocks' bits, format "gguf", for the types kept so; else codes and scales): random blocks (every code,
-random sub-block scales, finite fp16 fields) decode to exactly gguf-py's dequantized weights, and the quantized
-linear on them equals those weights times x at every row count."""
+"""Every GGUF tensor type Pagoda runs as stored (quantization/gguf_native.py BLOCK_TYPES): random blocks (every
+code, random sub-block scales, finite fp16 fields) decode to exactly gguf-py's dequantized weights, as codes and in
+the form the loader gives it (native_weight: its blocks' bits, format "gguf", for the types kept so), and the
+quantized linear on them equals those weights times x at every row count, with a row's bits whatever the batch."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +11,9 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from pagoda.kernels.quant_linear import kernel_layout, quant_linear
-from pagoda.quantization.gguf_native import BLOCK_TYPES, native_weight, packed_from_blocks
+from pagoda.kernels.cpu_extension import kernel_available
+from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linear
+from pagoda.quantization.gguf_native import BLOCK_TYPES, keeps_blocks, native_weight, packed_from_blocks
 
 # Byte offsets of each type's fp16 fields (d, dmin, m): random bytes there could be inf or NaN.
 FP16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82],
@@ -32,8 +33,17 @@ def random_blocks(qtype: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 TYPES = [T(q) for q in BLOCK_TYPES]
-# Run from their blocks' own bits (kernels/gguf_blocks.py), not from codes decoded at load.
-KEPT_AS_BLOCKS = {T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.IQ4_NL}
+# Kept in their blocks' bits wherever the C++ kernels are built: fails if one falls back to codes.
+AS_BLOCKS = {T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4}
+
+
+def loaded(raw: np.ndarray, qtype: T, k: int) -> PackedWeight:
+    """The weight as gguf_native_weights loads it (native_weight): its blocks where keeps_blocks(), else codes."""
+    kept = keeps_blocks(int(qtype), raw.shape[0])
+    assert kept == (qtype in AS_BLOCKS and kernel_available())
+    pw = native_weight(raw, int(qtype), k)
+    assert (pw.format == "gguf") == kept
+    return pw
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -41,17 +51,18 @@ def test_blocks_decode_to_gguf_py_values_and_the_kernel_computes_on_them(qtype: 
     n, k = 64, 512
     raw = random_blocks(qtype, n, k)
     ref = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).reshape(n, k)
-    pw = native_weight(raw, int(qtype), k)
-    assert (pw.format == "gguf") == (qtype in KEPT_AS_BLOCKS)
-    torch.testing.assert_close(pw.dequantize(), ref, rtol=0, atol=0)
-    prepared = kernel_layout(pw, torch.float32)
-    torch.testing.assert_close(prepared.dequantize(), ref, rtol=0, atol=0)  # the kernel's layout, its decoder
+    codes = packed_from_blocks(raw, int(qtype), k)
+    torch.testing.assert_close(codes.dequantize(), ref, rtol=0, atol=0)
     x = torch.randn(64, k, dtype=torch.float64)
     want = (x @ ref.double().T)
-    for m in (1, 3, 17, 64):  # every row count, the same numerics (float32 sums against a float64 reference)
-        got = quant_linear(x[:m].float(), prepared, None).double()
-        torch.testing.assert_close(got, want[:m], rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    assert torch.equal(quant_linear(x[:1].float(), prepared, None), quant_linear(x[:17].float(), prepared, None)[:1])
+    for pw in (codes, loaded(raw, qtype, k)):  # as codes (no kernels, rows not whole panels), and as loaded
+        prepared = kernel_layout(pw, torch.float32)
+        torch.testing.assert_close(prepared.dequantize(), ref, rtol=0, atol=0)  # what the kernel decodes
+        for m in (1, 3, 17, 64):  # every row count, the same numerics (float32 sums against a float64 reference)
+            got = quant_linear(x[:m].float(), prepared, None).double()
+            torch.testing.assert_close(got, want[:m], rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        one, batch = quant_linear(x[:1].float(), prepared, None), quant_linear(x[:17].float(), prepared, None)
+        assert torch.equal(one, batch[:1])
 
 
 def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,14 +81,16 @@ def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
     assert not torch.equal(packed_from_blocks(raw, int(T.Q4_K), 256).dequantize(), ref)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.Q5_1, T.IQ4_NL, T.IQ4_XS, T.MXFP4],
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_1, T.IQ4_NL, T.IQ4_XS, T.MXFP4],
                          ids=lambda t: t.name)
 def test_bf16_activations_run_the_same_weights(qtype: T) -> None:
     n, k = 32, 256
     raw = random_blocks(qtype, n, k, seed=1)
     ref = torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).reshape(n, k)
-    prepared = kernel_layout(native_weight(raw, int(qtype), k), torch.bfloat16)
+    prepared = kernel_layout(loaded(raw, qtype, k), torch.bfloat16)
     x = torch.randn(9, k).bfloat16()
     want = x.double() @ ref.double().T
-    got = quant_linear(x, prepared, None).double()
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    full = quant_linear(x, prepared, None)
+    torch.testing.assert_close(full.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    for m in (1, 2, 3):  # the bf16 driver's tiles of one, two and more rows: a row's bits whatever the batch
+        assert torch.equal(quant_linear(x[:m], prepared, None), full[:m])

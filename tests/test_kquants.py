@@ -1,7 +1,7 @@
-"""GGUF's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and Q8_0 kept in their blocks' bits (format "gguf",
-kernels/gguf_blocks.py): the C++ kernel computes gguf-py's dequantized weights times x at every row count, with the
-same bits for a row whatever the batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as stored, generating
-what its float copy does."""
+"""GGUF's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0, Q2_K, Q3_K, IQ4_XS and MXFP4 in their blocks'
+bits (format "gguf", kernels/gguf_blocks.py): the C++ kernel computes gguf-py's dequantized weights times x at every
+row count, with the same bits for a row whatever the batch, and a tiny Llama GGUF of Q4_K/Q6_K tensors runs them as
+stored, generating what its float copy does."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,10 +20,11 @@ from pagoda.quantization.gguf_native import stored_weight
 
 # Byte offsets of the fp16 fields (d, dmin) of the types gguf-py cannot quantize: random bytes there could be inf
 # or NaN.
-FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_NL: [0]}
-QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # gguf-py has their quantizers
-TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q8_0]
-BLOCKS_OF_32 = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q8_0}
+FP16_FIELDS = {T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_NL: [0], T.Q2_K: [80, 82], T.Q3_K: [108],
+               T.IQ4_XS: [0]}
+QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4)  # gguf-py has their quantizers
+TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4]
+BLOCKS_OF_32 = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q8_0, T.MXFP4}
 ROWS = (1, 3, 17, 64)
 
 

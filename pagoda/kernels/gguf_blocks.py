@@ -7,8 +7,15 @@ uint8 [bytes] holds them one after another, `scales` is the segment table int64 
 byte offset). Layout "rows": each segment's GGUF rows as the file stores them; "vpanels": per panel of P output
 columns and per super-block, the P columns' fields (d, dmin or Q4_1/Q5_1's m, sub-block scales, mins: each
 [count][P]), their low nibbles [block][P / 2] (byte j: column j low, j + P / 2 high) and the code bits above them
-[block][P * high / 8]; 8-bit codes (Q8_0) as signed bytes [block][P] instead. The table holds the K-quants Q4_K,
-Q5_K, Q6_K and the 32-weight types Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (whose codes index its 16-value grid) and Q8_0.
+[block][P * high / 8] (then [block][P * top / 8]); 8-bit codes (Q8_0) as signed bytes [block][P] instead. Types
+with 2 or 3 bits a code (Q2_K, Q3_K) have no nibble plane, every code bit in the fields; where the file packs the
+sub-block scales (Q2_K's scale and min nibbles, Q3_K's and IQ4_XS's 6-bit scales) the fields are its packed bytes,
+the C++ decoder unpacking them per column; MXFP4's field is its E8M0 exponent byte, and the codes of IQ4_NL, IQ4_XS
+(IQ4_NL's 16-value grid) and MXFP4 index their type's table.
+
+The table holds Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0, Q2_K, Q3_K, IQ4_XS and MXFP4; all but
+Q4_0, Q4_1 and Q8_0 are kept as blocks on their own, those three only fused beside other GGUF blocks
+(quantization/gguf_native.py, PackedWeight.cat).
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ class GgufBlock:
     group: int       # weights per sub-block scale
     high_bits: int   # code bits above the low nibble (4: whole signed bytes)
     split: Split
+    low_bits: int = 4  # code bits in the nibble plane (0: no plane, the fields from bit 0)
+    top_bits: int = 0  # code bits of a second field, above high_bits'
 
 
 def _u16(b: np.ndarray) -> np.ndarray:
@@ -90,6 +99,25 @@ def _q8_0(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return b[:, 2:34].copy(), [_u16(b[:, 0:2])]  # the int8 codes' bytes
 
 
+def _q2_k(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    # half h, bits 2 s of byte j: weight 128 h + 32 s + j; byte g of the scales: sc low, m high
+    return _bit_planes(b[:, 16:80], 2, 2, 2), [_u16(b[:, 80:82]), _u16(b[:, 82:84]), b[:, 0:16].copy()]
+
+
+def _q3_k(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    low = _bit_planes(b[:, 32:96], 2, 2, 2)
+    high = _bit_planes(b[:, 0:32], 1, 1, 1)  # hmask: bit s of byte j, weight 32 s + j
+    return low | (high << 2), [_u16(b[:, 108:110]), b[:, 96:108].copy()]  # the code q + 4; the 12 scale bytes
+
+
+def _iq4_xs(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    return _nibble_pairs(b[:, 8:136], 8, 16), [_u16(b[:, 0:2]), b[:, 2:8].copy()]  # scales_h, scales_l as stored
+
+
+def _mxfp4(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    return _nibble_pairs(b[:, 1:17], 1, 16), [b[:, 0:1].copy()]  # the E8M0 exponent
+
+
 GGUF_BLOCKS: dict[int, GgufBlock] = {
     int(T.Q4_K): GgufBlock(256, 32, 0, _q4_k),
     int(T.Q5_K): GgufBlock(256, 32, 1, _q5_k),
@@ -100,6 +128,10 @@ GGUF_BLOCKS: dict[int, GgufBlock] = {
     int(T.Q4_1): GgufBlock(32, 32, 0, _q4_1),
     int(T.IQ4_NL): GgufBlock(32, 32, 0, _q4_0),  # as Q4_0's bytes: fp16 d, then 4-bit indices into the table
     int(T.Q8_0): GgufBlock(32, 32, 4, _q8_0),
+    int(T.Q2_K): GgufBlock(256, 16, 2, _q2_k, low_bits=0),
+    int(T.Q3_K): GgufBlock(256, 16, 2, _q3_k, low_bits=0, top_bits=1),
+    int(T.IQ4_XS): GgufBlock(256, 32, 0, _iq4_xs),
+    int(T.MXFP4): GgufBlock(32, 32, 0, _mxfp4),
 }
 MAX_PANEL = 32  # the widest build's panel (AVX-512: 2 x 16 lanes): segments of a multiple of it fit every build
 
@@ -225,10 +257,12 @@ def _panels(raw: np.ndarray, qtype: int, k: int, width: int) -> np.ndarray:
     q = columns_last(codes)                                                  # [N / width, nsb, block, width]
     if spec.high_bits == 4:
         return np.concatenate([*parts, q.reshape(n // width, nsb, -1)], axis=-1).reshape(-1)
-    low = q & 0xF
-    parts.append((low[..., :half] | (low[..., half:] << 4)).reshape(n // width, nsb, -1))
-    if spec.high_bits:
-        bits = (q[..., None] >> np.arange(4, 4 + spec.high_bits, dtype=np.uint8)) & 1
-        bits = bits.reshape(n // width, nsb, spec.block, width * spec.high_bits)
-        parts.append(np.packbits(bits, axis=-1, bitorder="little").reshape(n // width, nsb, -1))
+    if spec.low_bits:
+        low = q & 0xF
+        parts.append((low[..., :half] | (low[..., half:] << 4)).reshape(n // width, nsb, -1))
+    for at, count in ((spec.low_bits, spec.high_bits), (spec.low_bits + spec.high_bits, spec.top_bits)):
+        if count:  # column c's bit i at bit c * count + i of each k's field
+            bits = (q[..., None] >> np.arange(at, at + count, dtype=np.uint8)) & 1
+            bits = bits.reshape(n // width, nsb, spec.block, width * count)
+            parts.append(np.packbits(bits, axis=-1, bitorder="little").reshape(n // width, nsb, -1))
     return np.concatenate(parts, axis=-1).reshape(-1)

@@ -11,8 +11,9 @@ per 32 columns and compute with integer dot products: layout "interleave8" (8 in
 AVX2's vpmaddubsw or Arm's sdot) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute
 the same sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another device
 use the torch fallback (`dequant_linear`). A CUDA path would plug in as another branch of `quant_linear`.
-GGUF's block formats (format "gguf": Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, kernels/gguf_blocks.py) keep their
-blocks' bits and run the portable panel driver with their own block decoders, at every row count and on every build.
+GGUF's block formats (format "gguf": Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS, MXFP4, and Q4_0, Q4_1,
+Q8_0 fused beside them, kernels/gguf_blocks.py) keep their blocks' bits and run the portable panel driver with their
+own block decoders, at every row count and on every build.
 
 Batch invariance: a row's result does not depend on the other rows of the call. Each C++ kernel sums every
 output in one order at every row count, and the fallback multiplies through oneDNN with at least two rows

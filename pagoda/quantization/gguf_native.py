@@ -21,11 +21,12 @@ offsets); the kernels then compute on exactly gguf-py's dequantized weights (tes
   MXFP4   E8M0 exponent, 4-bit e2m1 (doubled)  w = 2^(e-128) t[q]       INT8
 Other types (the IQ1/IQ2/IQ3 codebooks, ternary) and the float tensors (norms) are dequantized to float.
 
-Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and IQ4_NL are kept in their blocks' own bits instead (format "gguf",
-kernels/gguf_blocks.py, which also splits their blocks for the decoders here) wherever the C++ kernels are built and
-the matrix has whole panels of rows: the table above is their form where they are not. Q4_0, Q4_1 and Q8_0 have rows
-in that block table too, but a matrix of one of them alone keeps its codes (the INT4 and INT8 panel kernels', with
-fp16 scales and offsets in vpanels); fused beside GGUF blocks it joins them as the blocks it is (PackedWeight.cat).
+Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS and MXFP4 are kept in their blocks' own bits instead
+(format "gguf", kernels/gguf_blocks.py, which also splits some of their blocks for the decoders here) wherever the
+C++ kernels are built and the matrix has whole panels of rows: the table above is their form where they are not.
+Q4_0, Q4_1 and Q8_0 have rows in that block table too, but a matrix of one of them alone keeps its codes (the INT4
+and INT8 panel kernels', with fp16 scales and offsets in vpanels); fused beside GGUF blocks it joins them as the
+blocks it is (PackedWeight.cat).
 """
 from __future__ import annotations
 
