@@ -144,7 +144,9 @@ def write_gguf(source: GGUFSource, out: str, qtype: str) -> None:
     import gguf
     from gguf.quants import quantize
 
-    w = gguf.GGUFWriter(out, source.arch)
+    # Tensors spill to a temporary file as they come (the header, written first, needs them all): memory stays
+    # at a few tensors, not the whole model.
+    w = gguf.GGUFWriter(out, source.arch, use_temp_file=True)
     source.add_metadata(w)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType[f"MOSTLY_{qtype}"])
     for name, a in source.tensors():
