@@ -39,11 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.gguf is not None:
         from pagoda.quantization.gguf_export import export_gguf
-        from pagoda.quantization.llama_quantizer import QuantizerUnavailable
 
         try:
             summary = export_gguf(args.model, args.out, args.gguf, args.llama_python)
-        except (QuantizerUnavailable, ValueError) as e:
+        except (RuntimeError, ValueError) as e:  # a missing quantizer (QuantizerUnavailable), a refused model
             print(f"pagoda quantize: {e}", file=sys.stderr)
             return 2
         print(summary.line())
