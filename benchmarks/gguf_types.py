@@ -3,69 +3,23 @@
 
 The embedded SmolLM2's weights (its Q4_1 file dequantized) are written as an F16 GGUF (gguf-py), and llama.cpp's
 own quantizer (llama-cpp-python's `llama_model_quantize`, from `bash scripts/install-peers.sh llama`) makes each
-preset from it. Per file: the tensor types it holds, its size against Pagoda's resident weight bytes under
-`-q gguf` (as stored), perplexity on the same token windows (Pagoda fp32 against llama.cpp), batch-1 decode and
-32 concurrent requests (Pagoda bf16 against llama.cpp, two threads each). Prints one table.
+preset from it, as `pagoda quantize --gguf PRESET` does (pagoda/quantization/gguf_export.py). Per file: the tensor
+types it holds, its size against Pagoda's resident weight bytes under `-q gguf` (as stored), perplexity on the same
+token windows (Pagoda fp32 against llama.cpp), batch-1 decode and 32 concurrent requests (Pagoda bf16 against
+llama.cpp, two threads each). Prints one table.
 """
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
-
-import numpy as np
-
-# llama.cpp's llama_ftype values of the presets (llama.h).
-FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17,
-          "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "MXFP4_MOE": 38}
-
-
-def float_copy(src: str, dst: str) -> None:
-    """`src` rewritten with every tensor dequantized: 2-D in F16, the rest in F32; metadata as it is."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(dst, arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub)
-    for t in reader.tensors:
-        values = dequantize(t.data, t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, values.astype(np.float16) if values.ndim == 2 else values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-QUANTIZE = """
-import sys, llama_cpp
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = int(sys.argv[3])
-params.nthread = 2
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
-"""
-
-
-def llama_quantize(python: str, src: str, dst: str, preset: str) -> None:
-    subprocess.run([python, "-c", QUANTIZE, src, dst, str(FTYPES[preset])], check=True, capture_output=True)
 
 
 def tensor_types(path: str) -> str:
-    from gguf.constants import GGMLQuantizationType as T
+    from pagoda.quantization.gguf_export import tensor_types as counts
 
-    from pagoda.model.gguf_loader import GGUFFile
-
-    counts = Counter(T(info.qtype).name for info in GGUFFile(path).tensors.values() if len(info.dims) == 2)
-    return ", ".join(f"{n} {k}" for k, n in counts.most_common())
+    return ", ".join(f"{n} {k}" for k, n in counts(path, matrices_only=True).most_common())
 
 
 def measure(path: str, python: str, ids: list[int], extra_bufts: bool) -> dict:
@@ -105,6 +59,8 @@ def measure(path: str, python: str, ids: list[int], extra_bufts: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from pagoda.bench.llama_cpp_peer import DEFAULT_LLAMA_PYTHON
     from pagoda.model.default_model import default_model_path
+    from pagoda.quantization.gguf_export import gguf_source, write_gguf
+    from pagoda.quantization.llama_quantizer import llama_quantize
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
@@ -120,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     with tempfile.TemporaryDirectory() as d:
         f16 = str(Path(d) / "f16.gguf")
-        float_copy(default_model_path(), f16)
+        write_gguf(gguf_source(default_model_path()), f16, "F16")
         for preset in args.presets:
             path = str(Path(d) / f"{preset}.gguf")
-            llama_quantize(args.llama_python, f16, path, preset)
+            llama_quantize(f16, path, preset, args.llama_python, threads=2)
             rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts)
             print(preset, rows[preset], file=sys.stderr, flush=True)
     print("| preset | tensors | file | resident (-q gguf) | ppl Pagoda / llama.cpp | batch 1 | 32 concurrent |")

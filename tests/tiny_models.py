@@ -258,3 +258,25 @@ def build_tiny_eagle3_head(path: Path, target: str | Path, draft_vocab_size: int
     tensors["t2d"] = t2d
     save_head(path, c, tensors)
     return path
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_bpe_tokenizer(folder: Path, vocab_size: int = 400) -> None:
+    """A byte-level BPE tokenizer.json with real merges (trained on a license text of the bench corpus), GPT-2's
+    pre-tokenizer and ChatML's specials at ids 0-2 (the tiny models' bos 1 and eos 2), and a tokenizer_config.json
+    naming them with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "corpus" / "GPL-3"
+    tok.train_from_iterator([corpus.read_text()], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))

@@ -241,7 +241,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 # Subcommands living in their own modules: name -> (module, help). Each module has add_arguments(p), main(args).
 _PLUGINS = {
     "serve": ("pagoda.entrypoints.server.cli", "start the OpenAI-compatible HTTP server"),
-    "quantize": ("pagoda.quantization.cli", "write an INT4 (RTN/GPTQ/AWQ) checkpoint calibrated on a text file"),
+    "quantize": ("pagoda.quantization.cli", "write an INT4 (RTN/GPTQ/AWQ) checkpoint, or a GGUF (--gguf TYPE)"),
     "kernels": ("pagoda.kernels.cli", "build the C++ CPU kernels by hand (pip install does), or show which one loads"),
 }
 _BENCH = {

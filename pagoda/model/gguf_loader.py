@@ -497,6 +497,21 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     return None if hf is None else f"{hf}.{kind}"
 
 
+def hf_to_gguf_name(hf_name: str, arch: str = "llama") -> str | None:
+    """llama.cpp's name for HF parameter `hf_name` of a dense model of architecture `arch` (the inverse of
+    gguf_to_hf_name, from the same tables); None when it has none."""
+    stem, _, kind = hf_name.rpartition(".")
+    top = {hf: g for g, hf in _TOP_MAP.items()}
+    if stem in top:
+        return f"{top[stem]}.{kind}"
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", stem)
+    if m is None:
+        return None
+    layer_map = {**_LAYER_MAP, **_ARCH_LAYER_MAP.get(arch, {})}
+    part = next((g for g, hf in layer_map.items() if hf == m.group(2)), None)
+    return None if part is None else f"blk.{m.group(1)}.{part}.{kind}"
+
+
 def hf_tensor_names(g: GGUFFile) -> dict[str, str]:
     """GGUF tensor name -> HF parameter name for every tensor that loads; ModelFileError for one with none."""
     names = {}
@@ -520,6 +535,13 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rotary row permutation of an HF Q or K projection (weight or bias): the inverse of
+    unpermute_qk, as its converter applies it to Llama-architecture checkpoints."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, dim, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def iter_gguf_weights(g: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype,
