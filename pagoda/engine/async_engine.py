@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -127,6 +127,39 @@ class AsyncEngine:
         self._step_began: float | None = None  # monotonic start of the step under way, None between steps
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, build: Callable[[], LLMEngine], metrics: EngineMetricsHook | None = None,
+               step_turns: StepTurns | None = None) -> AsyncEngine:
+        """Build the engine on the worker thread that will step it, and start it; raises what `build` raised.
+
+        The process's OpenMP parallel regions then all come from one thread. libgomp keeps a pool of workers
+        for each thread that ever opened a region, and once its pools hold more threads than there are cores
+        it stops spinning at barriers: every region of a step then waits for a sleeping worker to wake.
+        Loading and warming the model on the caller's thread (the server's event loop) would leave such a
+        second pool behind."""
+        self = cls.__new__(cls)
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def build_and_run() -> None:
+            try:
+                cls.__init__(self, build(), metrics, step_turns=step_turns)
+                self._thread = threading.current_thread()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                failure.append(e)
+                return
+            finally:
+                built.set()
+            self._run()
+
+        thread = threading.Thread(target=build_and_run, name="pagoda-engine", daemon=True)
+        thread.start()
+        built.wait()
+        if failure:
+            thread.join()
+            raise failure[0]
+        return self
+
     def start(self) -> None:
         if self._thread is not None:
             return

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import signal
+import threading
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -603,3 +604,38 @@ def test_generate_abort_on_close() -> None:
         await engine.shutdown(timeout=1)
 
     asyncio.run(main())
+
+
+def test_launch_builds_the_engine_on_the_thread_that_steps_it() -> None:
+    """AsyncEngine.launch: the engine is built on its worker thread (so every OpenMP region of the process opens
+    there), which then serves; a failed build is raised to the caller and leaves no thread behind."""
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.sampling_params import SamplingParams
+
+    built_on = []
+
+    def build() -> FakeEngine:
+        built_on.append(threading.current_thread())
+        return FakeEngine()
+
+    engine = AsyncEngine.launch(build)  # type: ignore[arg-type]
+    assert built_on[0] is not threading.main_thread() and built_on[0].name == "pagoda-engine"
+
+    async def main() -> None:
+        engine.start()  # already running: nothing more to start
+        outputs = [o async for o in engine.generate("hi", SamplingParams(max_tokens=3), "r1")]
+        assert outputs[-1].finished and threading.current_thread() is not built_on[0]
+        assert built_on[0].is_alive()
+        await engine.shutdown(timeout=1)
+
+    asyncio.run(main())
+    built_on[0].join(5)
+    assert not built_on[0].is_alive()
+
+    def broken() -> FakeEngine:
+        raise RuntimeError("no weights here")
+
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="no weights here"):
+        AsyncEngine.launch(broken)  # type: ignore[arg-type]
+    assert threading.active_count() == before

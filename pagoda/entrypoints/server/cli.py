@@ -59,12 +59,12 @@ def main(args: argparse.Namespace) -> int:
         from pagoda.entrypoints.server import data_parallel
 
         return data_parallel.main(args, names[0])
-    engine = LLMEngine(config)
     metrics = ServerMetrics(names[0])
+    async_engine = AsyncEngine.launch(lambda: LLMEngine(config), metrics)
+    engine = async_engine.engine
     metrics.set_cache_config(config.cache.block_size, config.cache.kv_cache_dtype, config.cache.enable_prefix_caching,
                              engine.kv.pool.num_blocks)
     settings = server_settings(args, names, aliases)
-    async_engine = AsyncEngine(engine, metrics)
     pooling = None
     if args.embedding_model is not None:
         from pagoda.entrypoints.server.pooling_app import build_pooling

@@ -88,11 +88,11 @@ class EngineModelLoader:
         from pagoda.entrypoints.server.metrics import ServerMetrics
 
         config = EngineConfig.from_kwargs(spec.path, **self.engine_kwargs)
-        engine = LLMEngine(config)
         metrics = ServerMetrics(spec.name)
+        async_engine = AsyncEngine.launch(lambda: LLMEngine(config), metrics, step_turns=self.step_turns)
+        engine = async_engine.engine
         metrics.set_cache_config(config.cache.block_size, config.cache.kv_cache_dtype,
                                  config.cache.enable_prefix_caching, engine.kv.pool.num_blocks)
-        async_engine = AsyncEngine(engine, metrics, step_turns=self.step_turns)
         settings = dataclasses.replace(
             self.settings, served_model_names=[spec.name], model_aliases=list(spec.aliases), model_root=spec.path,
             batch_dir=self.settings.batch_dir if spec.name == self.batch_model else None)
