@@ -180,3 +180,28 @@ def test_offline_llm_embed_score_and_rerank() -> None:
     assert scores[0] > scores[1]
     ranked = llm.rerank("a cat sits", ["stock prices fell", "a cat is sitting"], top_n=1)
     assert ranked == [{"index": 1, "relevance_score": pytest.approx(scores[0]), "document": "a cat is sitting"}]
+
+
+def test_batcher_launch_builds_the_runner_on_its_own_thread() -> None:
+    """PoolingBatcher.launch: the runner is built on the batcher's thread (so the model's OpenMP regions all open
+    there), which then runs its batches; a failed build is raised to the caller."""
+    from types import SimpleNamespace
+
+    built_on: list[threading.Thread] = []
+
+    def build() -> SimpleNamespace:
+        built_on.append(threading.current_thread())
+        return SimpleNamespace(run=lambda items: [torch.tensor([float(len(i.token_ids))]) for i in items])
+
+    batcher = PoolingBatcher.launch(build, PoolingConfig(max_queue_delay_ms=1))
+    assert built_on[0].name == "pagoda-pooling" and built_on[0] is not threading.main_thread()
+    (future,) = batcher.submit([SimpleNamespace(token_ids=[1, 2, 3])])
+    assert future.result(10).item() == 3.0
+    batcher.stop()
+    assert not built_on[0].is_alive()
+
+    def broken() -> SimpleNamespace:
+        raise ValueError("not a pooling model")
+
+    with pytest.raises(ValueError, match="not a pooling model"):
+        PoolingBatcher.launch(broken, PoolingConfig())

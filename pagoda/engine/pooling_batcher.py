@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,14 +40,45 @@ class PoolingBatcher:
     """Owns one thread that runs `runner`; `submit` and `pool` may be called from any thread or event loop."""
 
     def __init__(self, runner: PoolingRunner, config: PoolingConfig, observer: BatchObserver | None = None) -> None:
+        self._setup(config, observer)
         self.runner = runner
+        self._thread = threading.Thread(target=self._loop, name="pagoda-pooling", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def launch(cls, build: Callable[[], PoolingRunner], config: PoolingConfig,
+               observer: BatchObserver | None = None) -> PoolingBatcher:
+        """Build the runner on the thread that runs it (the model's OpenMP regions all open there: see
+        AsyncEngine.launch), and start; raises what `build` raised."""
+        self = cls.__new__(cls)
+        self._setup(config, observer)
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def build_and_loop() -> None:
+            try:
+                self.runner = build()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                failure.append(e)
+                return
+            finally:
+                built.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=build_and_loop, name="pagoda-pooling", daemon=True)
+        self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        return self
+
+    def _setup(self, config: PoolingConfig, observer: BatchObserver | None) -> None:
         self.config = config
         self.observer = observer
         self._queue: deque[_Pending] = deque()
         self._cv = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="pagoda-pooling", daemon=True)
-        self._thread.start()
 
     @property
     def num_waiting(self) -> int:

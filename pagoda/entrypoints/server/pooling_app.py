@@ -71,7 +71,7 @@ def build_pooling(model: str | None, kwargs: dict, names: list[str], aliases: li
 
     config = PoolingConfig.from_kwargs(model, **kwargs)
     metrics = PoolingMetrics(registry, names[0])
-    batcher = PoolingBatcher(PoolingRunner.from_config(config), config, metrics)
+    batcher = PoolingBatcher.launch(lambda: PoolingRunner.from_config(config), config, metrics)
     return PoolingServing(batcher, names, aliases, metrics)
 
 
