@@ -112,7 +112,9 @@ class AsyncEngine:
         them steps at a time (step_turns.py)."""
         self.engine = engine
         self.metrics = metrics
-        self._turns: contextlib.AbstractContextManager[None] = step_turns or contextlib.nullcontext()
+        # Where a step runs: on the shared compute thread of several engines, else right here.
+        self._run_step: Callable[[Callable[[], list[RequestOutput]]], list[RequestOutput]] = \
+            step_turns.run if step_turns is not None else (lambda step: step())
         self.stats = EngineStats()
         self._idle_poll_s = idle_poll_s
         self._cond = threading.Condition()
@@ -131,6 +133,8 @@ class AsyncEngine:
     def launch(cls, build: Callable[[], LLMEngine], metrics: EngineMetricsHook | None = None,
                step_turns: StepTurns | None = None) -> AsyncEngine:
         """Build the engine on the worker thread that will step it, and start it; raises what `build` raised.
+        With `step_turns` (several engines), the build runs on a thread of its own and the steps on the
+        shared compute thread (StepTurns).
 
         The process's OpenMP parallel regions then all come from one thread. libgomp keeps a pool of workers
         for each thread that ever opened a region, and once its pools hold more threads than there are cores
@@ -143,7 +147,8 @@ class AsyncEngine:
 
         def build_and_run() -> None:
             try:
-                cls.__init__(self, build(), metrics, step_turns=step_turns)
+                engine = step_turns.build(build) if step_turns is not None else build()
+                cls.__init__(self, engine, metrics, step_turns=step_turns)
                 self._thread = threading.current_thread()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 failure.append(e)
@@ -391,16 +396,18 @@ class AsyncEngine:
         self._fail_all(EngineDeadError(reason))
         self._publish_stats()
 
+    def _timed_step(self) -> list[RequestOutput]:
+        self._step_began = time.monotonic()  # once its turn came: the step timeout counts the step alone
+        try:
+            return self.engine.step()
+        finally:
+            self._step_began = None
+
     def _step(self) -> None:
         try:
             # step() fails the requests a failure belongs to and returns; reaching the handler below
             # means a bug in the engine's own recovery.
-            with self._turns:
-                self._step_began = time.monotonic()
-                try:
-                    outputs = self.engine.step()
-                finally:
-                    self._step_began = None
+            outputs = self._run_step(self._timed_step)
         except WorkerDiedError:  # the engine cannot go on: _run fails everything and refuses new work
             raise
         except Exception:

@@ -1,34 +1,65 @@
-"""StepTurns: the engines of one process take turns at stepping, first come first served.
+"""StepTurns: the engines of one process take turns at stepping, first come first served, on one thread.
 
 Several models in one server each have their own engine and step loop, but torch's compute threads are one
 pool per process and a step already spreads its work over every core. Two steps at once would run two teams of
 threads on the same cores, each parallel region waiting for its slowest thread; one step at a time gives each
-step every core. The turns are a ticket lock, so a busy engine cannot starve an idle one that wakes up:
-a plain lock goes back to the thread that just released it more often than not.
+step every core. And the steps all run on one compute thread: libgomp keeps a pool of workers for each thread that
+opens parallel regions, and once its pools hold more threads than there are cores it stops spinning at barriers,
+so every region would wait for a sleeping worker to wake (AsyncEngine.launch). An engine is built on a thread that
+ends with its build, which takes its pool along. The queue is FIFO, so a busy engine cannot starve an idle one
+that wakes up.
 """
 from __future__ import annotations
 
+import queue
 import threading
-from types import TracebackType
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class StepTurns:
-    """A FIFO lock: `with turns:` around one engine step."""
+    """`run(fn)`: call `fn` on the compute thread, after the calls queued before it; return or raise its result."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._next_ticket = 0
-        self._serving = 0
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> None:
-        with self._cond:
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            while ticket != self._serving:
-                self._cond.wait()
+    def run(self, fn: Callable[[], T]) -> T:
+        if threading.current_thread() is self._thread:  # already on it (a build that steps, say)
+            return fn()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="pagoda-compute", daemon=True)
+                self._thread.start()
+        done: Future[object] = Future()
+        self._calls.put((fn, done))
+        return done.result()  # type: ignore[return-value]
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        with self._cond:
-            self._serving += 1
-            self._cond.notify_all()
+    @staticmethod
+    def build(fn: Callable[[], T]) -> T:
+        """Call `fn` (an engine's build) on a thread of its own that ends with it, and return or raise its result: the
+        other engines go on stepping meanwhile, and the thread's pool of OpenMP workers ends with it."""
+        done: Future[T] = Future()
+
+        def call() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                done.set_exception(e)
+
+        thread = threading.Thread(target=call, name="pagoda-build", daemon=True)
+        thread.start()
+        thread.join()
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            fn, done = self._calls.get()
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                done.set_exception(e)

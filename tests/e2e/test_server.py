@@ -639,3 +639,33 @@ def test_launch_builds_the_engine_on_the_thread_that_steps_it() -> None:
     with pytest.raises(RuntimeError, match="no weights here"):
         AsyncEngine.launch(broken)  # type: ignore[arg-type]
     assert threading.active_count() == before
+
+
+def test_step_turns_run_every_engine_step_on_one_thread_in_order() -> None:
+    """StepTurns: calls from several engines' threads run one at a time on one compute thread, in arrival order,
+    their results and errors handed back; a build runs on a thread of its own that ends with it."""
+    from pagoda.engine.step_turns import StepTurns
+
+    turns = StepTurns()
+    ran_on: list[threading.Thread] = []
+    order: list[int] = []
+
+    def call(i: int) -> int:
+        ran_on.append(threading.current_thread())
+        order.append(i)
+        return i * i
+
+    results: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, turns.run(lambda: call(i))))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+        t.join()  # one after another: arrival order is known
+    assert results == {i: i * i for i in range(8)} and order == list(range(8))
+    assert len(set(ran_on)) == 1 and ran_on[0].name == "pagoda-compute"
+    with pytest.raises(KeyError):
+        turns.run(lambda: {}["missing"])
+    assert turns.run(lambda: threading.current_thread()) is ran_on[0]  # the thread survives an error
+
+    built_on = turns.build(threading.current_thread)
+    assert built_on.name == "pagoda-build" and not built_on.is_alive()

@@ -2,8 +2,8 @@
 
 Each model gets its own LLMEngine, step loop (AsyncEngine) and app (create_app), built when it loads
 (models.py) and reached through the dispatcher (model_dispatcher.py). The engines share the process's
-cores by taking turns at stepping (StepTurns): each step runs on every compute thread, and two models that
-both have work alternate step by step.
+cores by taking turns at stepping, on one compute thread (StepTurns): each step runs on every compute thread,
+and two models that both have work alternate step by step.
 """
 from __future__ import annotations
 
