@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pagoda.distributed.errors import WorkerDiedError
 from pagoda.engine.stats import EngineStats
-from pagoda.engine.step_turns import StepTurns
+from pagoda.engine.step_turns import StepTurns, build_then_serve
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -141,29 +141,13 @@ class AsyncEngine:
         it stops spinning at barriers: every region of a step then waits for a sleeping worker to wake.
         Loading and warming the model on the caller's thread (the server's event loop) would leave such a
         second pool behind."""
-        self = cls.__new__(cls)
-        built = threading.Event()
-        failure: list[BaseException] = []
+        def build_engine() -> AsyncEngine:
+            engine = cls(step_turns.build(build) if step_turns is not None else build(), metrics,
+                         step_turns=step_turns)
+            engine._thread = threading.current_thread()
+            return engine
 
-        def build_and_run() -> None:
-            try:
-                engine = step_turns.build(build) if step_turns is not None else build()
-                cls.__init__(self, engine, metrics, step_turns=step_turns)
-                self._thread = threading.current_thread()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                failure.append(e)
-                return
-            finally:
-                built.set()
-            self._run()
-
-        thread = threading.Thread(target=build_and_run, name="pagoda-engine", daemon=True)
-        thread.start()
-        built.wait()
-        if failure:
-            thread.join()
-            raise failure[0]
-        return self
+        return build_then_serve("pagoda-engine", build_engine, lambda engine: engine._run())
 
     def start(self) -> None:
         if self._thread is not None:

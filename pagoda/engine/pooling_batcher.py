@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from pagoda.config import PoolingConfig
+from pagoda.engine.step_turns import build_then_serve
 from pagoda.executor.pooling_runner import PoolingInput, PoolingRunner
 
 logger = logging.getLogger(__name__)
@@ -50,28 +51,14 @@ class PoolingBatcher:
                observer: BatchObserver | None = None) -> PoolingBatcher:
         """Build the runner on the thread that runs it (the model's OpenMP regions all open there: see
         AsyncEngine.launch), and start; raises what `build` raised."""
-        self = cls.__new__(cls)
-        self._setup(config, observer)
-        built = threading.Event()
-        failure: list[BaseException] = []
+        def build_batcher() -> PoolingBatcher:
+            batcher = cls.__new__(cls)
+            batcher._setup(config, observer)
+            batcher.runner = build()
+            batcher._thread = threading.current_thread()
+            return batcher
 
-        def build_and_loop() -> None:
-            try:
-                self.runner = build()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                failure.append(e)
-                return
-            finally:
-                built.set()
-            self._loop()
-
-        self._thread = threading.Thread(target=build_and_loop, name="pagoda-pooling", daemon=True)
-        self._thread.start()
-        built.wait()
-        if failure:
-            self._thread.join()
-            raise failure[0]
-        return self
+        return build_then_serve("pagoda-pooling", build_batcher, lambda batcher: batcher._loop())
 
     def _setup(self, config: PoolingConfig, observer: BatchObserver | None) -> None:
         self.config = config

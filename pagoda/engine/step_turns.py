@@ -43,18 +43,7 @@ class StepTurns:
     def build(fn: Callable[[], T]) -> T:
         """Call `fn` (an engine's build) on a thread of its own that ends with it, and return or raise its result: the
         other engines go on stepping meanwhile, and the thread's pool of OpenMP workers ends with it."""
-        done: Future[T] = Future()
-
-        def call() -> None:
-            try:
-                done.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                done.set_exception(e)
-
-        thread = threading.Thread(target=call, name="pagoda-build", daemon=True)
-        thread.start()
-        thread.join()
-        return done.result()
+        return build_then_serve("pagoda-build", fn, lambda built: None)
 
     def _serve(self) -> None:
         while True:
@@ -63,3 +52,26 @@ class StepTurns:
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
                 done.set_exception(e)
+
+
+def build_then_serve(name: str, build: Callable[[], T], serve: Callable[[T], None]) -> T:
+    """Start a daemon thread `name` that calls `build()`, then `serve(built)`: the OpenMP regions of both open from
+    that one thread. Returns what was built once it is; raises what `build` raised, once the thread has ended."""
+    built: Future[T] = Future()
+
+    def main() -> None:
+        try:
+            result = build()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            built.set_exception(e)
+            return
+        built.set_result(result)
+        serve(result)
+
+    thread = threading.Thread(target=main, name=name, daemon=True)
+    thread.start()
+    try:
+        return built.result()
+    except BaseException:
+        thread.join()
+        raise
