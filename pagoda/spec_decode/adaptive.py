@@ -3,8 +3,7 @@
 Each request keeps an EMA of its per-token acceptance rate a, so k proposals are expected to emit
 1 + a + a^2 + ... + a^k tokens. A step's time is modelled as overhead + c0 + c1 * T for T target
 tokens (fitted online to measured forwards, starting from a start-up measurement), plus for model drafts
-d0 + d1 * B per draft pass over B rows (measured at start-up, scaled online to what drafting takes in a step).
-Proposals are added greedily, most likely accepted first, while
+d0 + d1 * B per draft pass over B rows. Proposals are added greedily, most likely accepted first, while
 each one's expected tokens per second of extra cost beats the step's tokens per second so far. On a
 compute-bound CPU a large batch makes c1 * T dominate, and speculation switches itself off (vllm#4630).
 """
@@ -24,9 +23,6 @@ class StepCostModel:
     d0: float = 0.0           # seconds per draft pass
     d1: float = 0.0           # seconds per drafted token
     overhead: float = 0.0     # EMA of the rest of a step (scheduling, sampling, detokenizing)
-    # EMA of measured drafting time over what d0, d1 predict: a drafter's passes measured at start-up leave out what
-    # drafting costs in a step (an EAGLE head's catch-up over the target's new states, Python around the passes).
-    draft_scale: float = 1.0
     decay: float = 0.99
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, T, t, T^2, T*t
 
@@ -41,12 +37,6 @@ class StepCostModel:
 
     def forward_time(self, num_tokens: int) -> float:
         return self.c0 + self.c1 * num_tokens
-
-    def observe_draft(self, passes: int, rows: int, seconds: float) -> None:
-        """One drafting call: `passes` passes over `rows` rows in all took `seconds`."""
-        predicted = self.d0 * passes + self.d1 * rows
-        if predicted > 0:
-            self.draft_scale = 0.9 * self.draft_scale + 0.1 * min(seconds / predicted, 10.0)
 
     def observe(self, num_tokens: int, forward_s: float, step_s: float) -> None:
         if self.c0 > 0 and forward_s > 4 * self.forward_time(num_tokens):
@@ -79,8 +69,7 @@ class AdaptivePolicy:
         while heap:
             neg, i = heapq.heappop(heap)
             g = -neg  # alpha^(k+1): the chance this extra proposal is accepted (and so emitted)
-            c = self.cost
-            extra = c.c1 + c.draft_scale * (c.d1 + (c.d0 if ks[i] + 1 > depth_open else 0.0))
+            extra = self.cost.c1 + self.cost.d1 + (self.cost.d0 if ks[i] + 1 > depth_open else 0.0)
             if g * time <= self.margin * gain * extra:
                 break
             ks[i] += 1

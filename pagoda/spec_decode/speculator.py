@@ -229,11 +229,7 @@ class Speculator:
         if not rows:
             return {}
         assert self.drafter is not None
-        t_draft = time.perf_counter()
         tokens, probs = self.drafter.propose([seq for seq, _ in rows], [k for _, k in rows])
-        if self.cfg.adaptive:
-            self.policy.cost.observe_draft(max(k for _, k in rows), sum(k for _, k in rows),
-                                           time.perf_counter() - t_draft)
         drafts = {}
         for (seq, _), d, q in zip(rows, tokens, probs):
             if q is not None:
