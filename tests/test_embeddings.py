@@ -120,7 +120,7 @@ def test_batcher_gives_each_text_the_vector_it_gets_alone(minilm: PoolingRunner)
         def on_pooling_batch(self, num_seqs: int, num_tokens: int, queue_delays: list[float]) -> None:
             batches.append(num_seqs)
 
-    batcher = PoolingBatcher(minilm, PoolingConfig(max_queue_delay_ms=200), Observer())
+    batcher = PoolingBatcher.launch(lambda: minilm, PoolingConfig(max_queue_delay_ms=200), Observer())
     try:
         futures: list = [None] * len(TEXTS)
 
@@ -147,7 +147,8 @@ def test_batcher_splits_at_the_token_budget(minilm: PoolingRunner) -> None:
         def on_pooling_batch(self, num_seqs: int, num_tokens: int, queue_delays: list[float]) -> None:
             batches.append(num_tokens)
 
-    batcher = PoolingBatcher(minilm, PoolingConfig(max_queue_delay_ms=50, max_num_batched_tokens=40), Observer())
+    batcher = PoolingBatcher.launch(lambda: minilm, PoolingConfig(max_queue_delay_ms=50, max_num_batched_tokens=40),
+                                    Observer())
     try:
         futures = batcher.submit([minilm.tokenize(t) for t in TEXTS])
         assert all(f.result(timeout=60).shape == (384,) for f in futures)

@@ -11,8 +11,9 @@ from the client's side:
 
 Nothing here is specific to one server: plain HTTP, Server-Sent Events and the OpenAI response shapes. With
 --metrics-url it also reads the servers' Prometheus counters before and after the run (vLLM's names, which
-Pagoda exports too) for the prefix-cache hit rate and the requests each server answered: several URLs for
-replicas behind a router, whose own /metrics does not add its workers' up.
+Pagoda exports too) for the prefix-cache hit rate, the requests each server answered and its engine steps (tokens
+a step; on Pagoda, the step's time and its forward's): several URLs for replicas behind a router, whose own
+/metrics does not add its workers' up.
 """
 from __future__ import annotations
 
@@ -473,8 +474,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "seeded request whose prefill is chunked ('CPU Generator does not use offset')")
     p.add_argument("--metrics-url", nargs="+", default=None, metavar="URL",
                    help="Prometheus pages (e.g. http://127.0.0.1:8001/metrics) read before and after the run: the "
-                        "prefix-cache hit rate and requests per server (warm-ups included); give each replica's "
-                        "behind a router")
+                        "prefix-cache hit rate, requests and engine steps per server (warm-ups included); give "
+                        "each replica's behind a router")
     p.add_argument("--reset-prefix-cache", action="store_true",
                    help="first POST /reset_prefix_cache to each --metrics-url's server (else to --base-url)")
     p.add_argument("--label", default=None, help="name of this run in the JSON and in --plot-from legends")

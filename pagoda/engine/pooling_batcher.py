@@ -41,10 +41,14 @@ class PoolingBatcher:
     """Owns one thread that runs `runner`; `submit` and `pool` may be called from any thread or event loop."""
 
     def __init__(self, runner: PoolingRunner, config: PoolingConfig, observer: BatchObserver | None = None) -> None:
-        self._setup(config, observer)
+        """Not started: `launch` builds the runner on the batcher's thread and starts it."""
         self.runner = runner
-        self._thread = threading.Thread(target=self._loop, name="pagoda-pooling", daemon=True)
-        self._thread.start()
+        self.config = config
+        self.observer = observer
+        self._queue: deque[_Pending] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def launch(cls, build: Callable[[], PoolingRunner], config: PoolingConfig,
@@ -52,20 +56,11 @@ class PoolingBatcher:
         """Build the runner on the thread that runs it (the model's OpenMP regions all open there: see
         AsyncEngine.launch), and start; raises what `build` raised."""
         def build_batcher() -> PoolingBatcher:
-            batcher = cls.__new__(cls)
-            batcher._setup(config, observer)
-            batcher.runner = build()
+            batcher = cls(build(), config, observer)
             batcher._thread = threading.current_thread()
             return batcher
 
         return build_then_serve("pagoda-pooling", build_batcher, lambda batcher: batcher._loop())
-
-    def _setup(self, config: PoolingConfig, observer: BatchObserver | None) -> None:
-        self.config = config
-        self.observer = observer
-        self._queue: deque[_Pending] = deque()
-        self._cv = threading.Condition()
-        self._stopped = False
 
     @property
     def num_waiting(self) -> int:
@@ -98,7 +93,8 @@ class PoolingBatcher:
             while self._queue:
                 self._queue.popleft().future.set_exception(RuntimeError("the pooling batcher has stopped"))
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     # ---- the thread ------------------------------------------------------------------------------------
     def _take_batch(self) -> list[_Pending]:

@@ -29,8 +29,6 @@ class StepTurns:
         self._thread: threading.Thread | None = None
 
     def run(self, fn: Callable[[], T]) -> T:
-        if threading.current_thread() is self._thread:  # already on it (a build that steps, say)
-            return fn()
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="pagoda-compute", daemon=True)

@@ -107,7 +107,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.round_weights = round_weights
-        self.act = silu_and_mul  # the torch path's (bind_ops)
+        self.act = silu_and_mul  # moe_reference's activation, where the C++ experts op does not run (bind_ops)
         self.op: ExpertsOp | None = None
 
     def bind_ops(self, cpp: bool) -> None:

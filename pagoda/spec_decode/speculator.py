@@ -222,8 +222,7 @@ class Speculator:
             ks = [len(p) for p in proposals]
             if self.cfg.adaptive:
                 ks = self.policy.choose(ids, ks, other)
-            drafts = {seq: _grammar_prefix(seq, p[:k]) for seq, p, k in zip(cands, proposals, ks) if k}
-            return {seq: d for seq, d in drafts.items() if d}
+            return {seq: d for seq, p, k in zip(cands, proposals, ks) if (d := _grammar_prefix(seq, p[:k]))}
         ks = self.policy.choose(ids, max_ks, other) if self.cfg.adaptive else max_ks
         rows = [(seq, k) for seq, k in zip(cands, ks) if k > 0]
         if not rows:
