@@ -8,14 +8,15 @@ of K/V bytes read.
 
 `--compare-source FILE` builds another version of cpu/paged_attention.cpp (e.g. an earlier commit's:
 `git show REV:pagoda/kernels/cpu/paged_attention.cpp > FILE`) as a second extension, registered under
-another op namespace, gives it K as rows, and alternates calls between the two kernels in this process,
-so the machine's drift hits both alike.
+another op namespace, gives it the same cache (K as rows where it does not take this checkout's layout), and
+alternates calls between the two kernels in this process, so the machine's drift hits both alike.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import re
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -36,10 +37,12 @@ def load_other_kernel(source: Path) -> object:
     text = text.replace("namespace pagoda_cpu {", "namespace pagoda_cpu_cmp {")
     build = loaded_build() or best_build()
     out = build_directory().parent / f"attention_cmp_{build}"
-    out.mkdir(parents=True, exist_ok=True)
-    src = out / "paged_attention_cmp.cpp"
+    # Beside the build folder, not in it: jit_build clears a folder it has not finished building.
+    src = out.with_name(out.name + "_src") / "paged_attention_cmp.cpp"
+    src.parent.mkdir(parents=True, exist_ok=True)
     if not src.exists() or src.read_text() != text:
         src.write_text(text)
+        shutil.rmtree(out, ignore_errors=True)  # a build of another source
     lib = jit_build("pagoda_attention_cmp", [src], [*cflags(build), f"-I{SRC_DIR}"], out,
                     label="attention comparison build")
     torch.ops.load_library(str(lib))
@@ -106,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         k, kw, v, scales = [k[0]] * args.layers, [kw[0]] * args.layers, [v[0]] * args.layers, [scales[0]] * args.layers
     kernels = {"pagoda": (torch.ops.pagoda.paged_attention, kw)}
     if args.compare_source is not None:
-        kernels[f"other ({args.compare_source.name})"] = (load_other_kernel(args.compare_source), k)
+        other = load_other_kernel(args.compare_source)
+        try:  # the cache layout this checkout's kernel takes, where the other takes it too
+            other(q, kw[0], v[0], tables, qsl, lens, 64 ** -0.5, *scales[0])
+            kernels[f"other ({args.compare_source.name})"] = (other, kw)
+        except RuntimeError:  # an older kernel: K as rows
+            kernels[f"other ({args.compare_source.name})"] = (other, k)
     scale = 64 ** -0.5
     outs = {name: op(q, ks[0], v[0], tables, qsl, lens, scale, *scales[0]) for name, (op, ks) in kernels.items()}
     times: dict[str, list[float]] = {name: [] for name in kernels}

@@ -146,6 +146,33 @@ inline void pv_tile(const float* __restrict p, const float* const* vrows, int nk
   }
 }
 
+// The next chunk's cache lines, requested a few at a time from inside the current chunk's dot-product loops. A
+// burst of a chunk's lines at once fills the core's miss buffers, and the loads behind them wait for it; spread
+// over the chunk's arithmetic, the fetches overlap it. The lines are runs of evenly spaced addresses.
+struct PrefetchQueue {
+  struct Run {
+    const char* base;
+    int64_t stride, count;
+  };
+  static constexpr int kMaxRuns = 40;  // per group of 16 keys: K's one run and V's (at most 16 rows)
+  Run runs[kMaxRuns];
+  int n = 0, run = 0;
+  int64_t i = 0;
+  void clear() { n = run = 0, i = 0; }
+  void add(const void* base, int64_t stride, int64_t count) {
+    if (n < kMaxRuns) runs[n++] = {static_cast<const char*>(base), stride, count};
+  }
+  void issue(int k) {
+    for (; k > 0 && run < n; --k) {
+      __builtin_prefetch(runs[run].base + i * runs[run].stride, 0, 2);  // into L2, as prefetch_keys
+      if (++i == runs[run].count) i = 0, ++run;
+    }
+  }
+  void drain() {
+    while (run < n) issue(64);
+  }
+};
+
 // Dispatch a row block of size 1..RB to the matching template instance.
 template <template <int> class F, typename... A>
 inline void dispatch_rows(int rows, A... args) {
@@ -181,11 +208,12 @@ inline void row_to_f32(const C* src, float* dst, int64_t D, float scale) {
 // and no staging.
 template <int R>
 inline void qk_pairs_tile(const uint16_t* const* qrows, const uint32_t* __restrict k0p, const uint32_t* __restrict k1p,
-                          int64_t ld, int64_t D, float scale, float* __restrict s) {
+                          int64_t ld, int64_t D, float scale, float* __restrict s, PrefetchQueue* pf) {
   static_assert(KC == 32, "two groups of 16 keys per chunk");
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    pf->issue(2);
     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k0p + d2 * ld), k1 = (__m512bh)_mm512_loadu_si512(k1p + d2 * ld);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -207,7 +235,8 @@ template <int R> struct QKP { template <typename... A> static void run(A... a) {
 // both keys' terms for 16 values of d. The interleave runs within 128-bit lanes, so O holds each group of
 // 32 values of d permuted (see pv_unpermute); pb: P as bf16, rows KC apart.
 template <int R, class VRow>
-inline void pv_bf16_tile(const uint16_t* __restrict pb, VRow vrow, int nk, int64_t D, float* __restrict o) {
+inline void pv_bf16_tile(const uint16_t* __restrict pb, VRow vrow, int nk, int64_t D, float* __restrict o,
+                         PrefetchQueue* pf) {
   for (int64_t d = 0; d < D; d += 32) {
     __m512 lo[R], hi[R];
     for (int r = 0; r < R; ++r) {
@@ -215,6 +244,7 @@ inline void pv_bf16_tile(const uint16_t* __restrict pb, VRow vrow, int nk, int64
       hi[r] = _mm512_loadu_ps(o + r * D + d + 16);
     }
     for (int j = 0; j < nk; j += 2) {  // an odd nk pairs its last key with zeros (p is 0 there too)
+      pf->issue(2);
       const __m512i a = _mm512_loadu_si512(vrow(j) + d);
       const __m512i b = j + 1 < nk ? _mm512_loadu_si512(vrow(j + 1) + d) : _mm512_setzero_si512();
       const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
@@ -284,12 +314,28 @@ struct Args {
   float softcap;   // > 0: scores become softcap * tanh(score / softcap) before the mask
 };
 
+// The keys [begin, end) a work item reads. With a window, keys start at the block holding the tile's first
+// query's first key: blocks before it may have been freed (KVCacheManager frees blocks out of every query's
+// window), and the keys of that block before the window are this sequence's own KV, masked in run_item.
+// Block-aligned, so bf16 key groups of 16 stay within one block.
+struct KeyRange {
+  int64_t begin, end;
+};
+inline KeyRange key_range(const WorkItem& it, const Args& a) {
+  const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
+  const int64_t ctx0 = a.seq_lens[it.seq] - q_len;
+  const int64_t first_pos = ctx0 + it.q_begin;
+  const int64_t begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) / a.block_size * a.block_size : 0;
+  return {begin, ctx0 + it.q_end};
+}
+
 // Per-thread scratch, sized once per call.
 struct Scratch {
   std::vector<float> q, s, o, kt, kr, vbuf, m, l, zeros;
   std::vector<const float*> vrows;
   std::vector<uint16_t> pb;  // bf16 caches: P in bf16
   std::vector<const uint16_t*> qrows16;
+  PrefetchQueue next_chunk;  // bf16 caches: the lines of the chunk after the current one
   Scratch(int64_t rows, int64_t D)
       : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), kr(KC * D), vbuf(KC * D), m(rows), l(rows * W),
         zeros(D, 0.f), vrows(KC), pb(rows * KC), qrows16(rows) {}
@@ -315,24 +361,56 @@ inline void prefetch_keys(const Args& a, const C* kc, const C* vc, const int32_t
   }
 }
 
-// T: the dtype of q and out; C: the cache element (T itself, or an 8-bit tag).
+// Where a chunk of keys [c0, c0 + nk) of one kv head lies in a bf16 cache with K words: both groups of 16 keys lie
+// within one block each (block_size % 16 == 0), K words start at k[g], V row j is v[j / 16] + (j % 16) * stride. A
+// group past nk repeats the first: its keys are masked, and no block past the sequence is touched.
+struct Bf16Chunk {
+  const uint32_t* k[KC / 16];
+  const uint16_t* v[KC / 16];
+};
+template <typename C>
+inline Bf16Chunk bf16_chunk(const Args& a, const C* kc, const C* vc, const WorkItem& it, int64_t c0, int nk) {
+  const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
+  Bf16Chunk ch;
+  for (int g = 0; g < KC / 16; ++g) {
+    const int64_t pos = c0 + 16 * std::min(g, (nk - 1) / 16), blk = bt[pos / a.block_size], off = pos % a.block_size;
+    ch.k[g] = reinterpret_cast<const uint32_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1) + off;
+    ch.v[g] = reinterpret_cast<const uint16_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
+  }
+  return ch;
+}
+// The cache lines of such a chunk: per group, D/2 rows of 16 K words and 16 V rows.
+inline void queue_chunk(const Args& a, const Bf16Chunk& ch, int nk, PrefetchQueue& pf) {
+  pf.clear();
+  const int64_t row_lines = a.D * 2 / 64;  // a V row's (D % 32 == 0)
+  for (int g = 0; g < KC / 16; ++g) {
+    if (g > 0 && ch.k[g] == ch.k[g - 1]) break;  // a repeated group (nk <= 16)
+    pf.add(ch.k[g], a.block_size * 4, a.D / 2);  // one line of 16 K words per pair of d
+    const int64_t rows = std::min(16, nk - 16 * g);
+    if (a.vc_s2 == a.D) {
+      pf.add(ch.v[g], 64, rows * row_lines);  // the group's V rows are contiguous
+    } else {
+      for (int64_t j = 0; j < rows; ++j) pf.add(ch.v[g] + j * a.vc_s2, 64, row_lines);
+    }
+  }
+}
+
+// T: the dtype of q and out; C: the cache element (T itself, or an 8-bit tag). `following`: the item this thread
+// runs next (or null); over a bf16 cache its first chunk is fetched during this item's last, and `first_queued`
+// says the previous item did that for this one. Returns whether this item queued the following one's.
 template <typename T, typename C>
-void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C* __restrict kc,
-              const C* __restrict vc, T* __restrict out, Scratch& sc) {
+bool run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C* __restrict kc,
+              const C* __restrict vc, T* __restrict out, Scratch& sc, const WorkItem* following, bool first_queued) {
   const int64_t D = a.D, G = a.G, bs = a.block_size;
   const int64_t q0 = a.qsl[it.seq];
   const int64_t q_len = a.qsl[it.seq + 1] - q0;
   const int64_t ctx0 = a.seq_lens[it.seq] - q_len;  // absolute position of query 0
   const int64_t nq = it.q_end - it.q_begin;
   const int64_t rows = nq * G;
-  const int64_t first_pos = ctx0 + it.q_begin;            // position of the tile's first query
-  const int64_t kv_end = ctx0 + it.q_end;                  // keys [0, kv_end) are visible
-  // With a window, keys start at the block holding the tile's first query's first key: blocks before it may
-  // have been freed (KVCacheManager frees blocks out of every query's window), and the keys of that block
-  // before the window are this sequence's own KV, masked below. Block-aligned, so bf16 key groups of 16
-  // stay within one block.
-  const int64_t kv_begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) / bs * bs : 0;
+  const int64_t first_pos = ctx0 + it.q_begin;  // position of the tile's first query
+  const auto [kv_begin, kv_end] = key_range(it, a);
   const int64_t last_pos = kv_end - 1;
+  bool queued_following = false;
   const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
 
   // A bf16 cache with K words is read in place: K by qk_pairs_tile, V rows by pv_bf16_tile.
@@ -359,35 +437,41 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   float* Kt = sc.kt.data();
   const float** vrows = sc.vrows.data();
 
-  // Over a bf16 cache both groups of 16 keys of a chunk lie within one block each (block_size % 16 == 0):
-  // K words start at kw[g], V row j is vseg[j / 16] + (j % 16) * stride. No table of row pointers (a
-  // block lookup per key cost as much as the chunk's dot products). Unused in builds without AVX512-BF16.
-  [[maybe_unused]] const uint32_t* kw[KC / 16];
-  const uint16_t* vseg[KC / 16];
+  // Over a bf16 cache, where the current chunk lies (no table of row pointers: a block lookup per key cost as much
+  // as the chunk's dot products). Unused in builds without AVX512-BF16.
+  [[maybe_unused]] Bf16Chunk chunk{};
   const int64_t vs2 = a.vc_s2;
-  [[maybe_unused]] const auto vrow_seg = [&](int j) { return vseg[j >> 4] + (j & 15) * vs2; };
+  [[maybe_unused]] const auto vrow_seg = [&](int j) { return chunk.v[j >> 4] + (j & 15) * vs2; };
+  [[maybe_unused]] PrefetchQueue& pf = sc.next_chunk;
 
   for (int64_t c0 = kv_begin; c0 < kv_end; c0 += KC) {
     const int nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0));
-    if (c0 == kv_begin) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, std::min<int64_t>(kv_end, c0 + KC));
-    prefetch_keys(a, kc, vc, bt, it.kv_head, c0 + KC, std::min<int64_t>(kv_end, c0 + 2 * KC));
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
-      // A group past nk repeats the first: its keys are masked, and no block past the sequence is touched.
       // Keys past nk within a group are whatever the block holds: masked in S, and PV stops at nk.
-      for (int g = 0; g < KC / 16; ++g) {
-        const int64_t pos = c0 + 16 * std::min(g, (nk - 1) / 16), blk = bt[pos / bs], off = pos % bs;
-        kw[g] = reinterpret_cast<const uint32_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1) + off;
-        vseg[g] = reinterpret_cast<const uint16_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * vs2);
+      chunk = bf16_chunk(a, kc, vc, it, c0, nk);
+      if (c0 == kv_begin && !first_queued) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, c0 + nk);
+      if (c0 + KC < kv_end) {
+        const int next_nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0 - KC));
+        queue_chunk(a, bf16_chunk(a, kc, vc, it, c0 + KC, next_nk), next_nk, pf);
+      } else if (following != nullptr) {
+        const KeyRange r = key_range(*following, a);
+        const int next_nk = static_cast<int>(std::min<int64_t>(KC, r.end - r.begin));
+        queue_chunk(a, bf16_chunk(a, kc, vc, *following, r.begin, next_nk), next_nk, pf);
+        queued_following = true;
+      } else {
+        pf.clear();
       }
       for (int64_t r0 = 0; r0 < rows; r0 += RB)
         dispatch_rows<QKP>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
                            static_cast<const uint16_t* const*>(sc.qrows16.data() + r0),
-                           static_cast<const uint32_t*>(kw[0]), static_cast<const uint32_t*>(kw[1]), bs, D, a.scale,
-                           S + r0 * KC);
+                           static_cast<const uint32_t*>(chunk.k[0]), static_cast<const uint32_t*>(chunk.k[1]), bs, D,
+                           a.scale, S + r0 * KC, &pf);
     } else
 #endif
     {
+    if (c0 == kv_begin) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, std::min<int64_t>(kv_end, c0 + KC));
+    prefetch_keys(a, kc, vc, bt, it.kv_head, c0 + KC, std::min<int64_t>(kv_end, c0 + 2 * KC));
     // Gather the chunk: K transposed to [D][KC] fp32, V as row pointers (fp32 cache
     // is read in place; bf16 and 8-bit rows are converted into scratch).
     {  // K rows staged row-major in fp32 (8-bit ones decoded and scaled), then transposed W x W at a time
@@ -474,7 +558,8 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
                                                                       _mm512_loadu_ps(S + r * KC)));
       for (int64_t r0 = 0; r0 < rows; r0 += RB)
         dispatch_rows<PVB>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
-                           static_cast<const uint16_t*>(pb + r0 * KC), vrow_seg, nk, D, O + r0 * D);
+                           static_cast<const uint16_t*>(pb + r0 * KC), vrow_seg, nk, D, O + r0 * D, &pf);
+      pf.drain();
       continue;
     }
 #endif
@@ -503,6 +588,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #endif
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
     }
+  return queued_following;
 }
 
 template <typename T, typename C = T>
@@ -516,12 +602,16 @@ void run_all(const std::vector<WorkItem>& items, const Args& a, const at::Tensor
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   // at::parallel_for splits ranges statically; items have very different costs
   // (decode vs long prefill), so each thread pulls items (sorted by descending
-  // cost) from a shared counter instead.
+  // cost) from a shared counter instead, one ahead, so that it can fetch that item's first keys early.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     Scratch sc(max_rows, a.D);
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1))
-      run_item<T, C>(items[i], a, qp, kp, vp, op, sc);
+    bool queued = false;
+    for (int64_t i = next.fetch_add(1); i < n;) {
+      const int64_t j = next.fetch_add(1);
+      queued = run_item<T, C>(items[i], a, qp, kp, vp, op, sc, j < n ? &items[j] : nullptr, queued);
+      i = j;
+    }
   });
 }
 
