@@ -1,5 +1,5 @@
 """GGUF presets as people download them, against llama.cpp on the same files:
-`python -m benchmarks.gguf_types [--presets Q4_K_M Q5_K_M ...]`.
+`python -m benchmarks.gguf_types [--presets Q4_K_M Q5_K_M ...] [--kernels avx2 --dtype float32 --llama-python PY]`.
 
 The embedded SmolLM2's weights (its Q4_1 file dequantized) are written as an F16 GGUF (gguf-py), and llama.cpp's
 own quantizer (llama-cpp-python's `llama_model_quantize`, from `bash scripts/install-peers.sh llama`) makes each
@@ -7,6 +7,10 @@ preset from it, as `pagoda quantize --gguf PRESET` does (pagoda/quantization/ggu
 types it holds, its size against Pagoda's resident weight bytes under `-q gguf` (as stored), perplexity on the same
 token windows (Pagoda fp32 against llama.cpp), batch-1 decode and 32 concurrent requests (Pagoda bf16 against
 llama.cpp, two threads each). Prints one table.
+
+`--kernels avx2` measures what a CPU without AVX-512 gets: run it with `ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2`, `--dtype float32` (such CPUs have no bf16 arithmetic) and llama.cpp built for AVX2
+(`bash scripts/install-peers.sh llama-avx2`, `--llama-python ~/.cache/pagoda/peers/llama-avx2/bin/python`).
 """
 from __future__ import annotations
 
@@ -22,14 +26,14 @@ def tensor_types(path: str) -> str:
     return ", ".join(f"{n} {k}" for k, n in counts(path, matrices_only=True).most_common())
 
 
-def measure(path: str, python: str, ids: list[int], extra_bufts: bool) -> dict:
+def measure(path: str, python: str, ids: list[int], extra_bufts: bool, kernels: str, dtype: str) -> dict:
     from pagoda import LLM, SamplingParams
     from pagoda.bench.llama_cpp_peer import run_llama_cpp
     from pagoda.bench.quant_table import weight_bytes
     from pagoda.eval.perplexity import perplexity, sliding_windows
 
     row: dict = {"file_mib": Path(path).stat().st_size / 2**20, "types": tensor_types(path)}
-    llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="128MiB")
+    llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="128MiB", kernels=kernels)
     row["resident_mib"] = weight_bytes(llm.engine.runner.model) / 2**20
     row["ppl"] = perplexity(llm, ids, 256, 128).perplexity
     del llm
@@ -42,7 +46,7 @@ def measure(path: str, python: str, ids: list[int], extra_bufts: bool) -> dict:
     row["llama_ppl"] = peer["perplexity"]["perplexity"]
     row["llama_b1"] = 127 / peer["batch1"]["decode_s"]
     row["llama_32"] = peer["batched"]["output_tokens"] / peer["batched"]["elapsed_s"]
-    llm = LLM(path, quantization="gguf", dtype="bfloat16", kv_cache_memory="256MiB")
+    llm = LLM(path, quantization="gguf", dtype=dtype, kv_cache_memory="256MiB", kernels=kernels)
     from pagoda.bench.throughput import run_batch1_decode
 
     run_batch1_decode(llm, prompt, 16)
@@ -68,11 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-chars", type=int, default=6000)
     p.add_argument("--no-extra-bufts", action="store_true",
                    help="llama.cpp without its repacked/AMX weight buffers (where its build crashes in them)")
+    p.add_argument("--kernels", default="auto", help="the C++ kernel build Pagoda runs (auto, native, avx2)")
+    p.add_argument("--dtype", default="bfloat16", help="Pagoda's compute dtype for the speed columns")
     args = p.parse_args(argv)
     corpus = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "corpus" / "GPL-3"
     from pagoda import LLM
 
-    ids = LLM(dtype="float32", kv_cache_memory="32MiB").get_tokenizer().encode(corpus.read_text()[:args.text_chars])
+    tokenizer = LLM(dtype="float32", kv_cache_memory="32MiB", kernels=args.kernels).get_tokenizer()
+    ids = tokenizer.encode(corpus.read_text()[:args.text_chars])
     rows = {}
     with tempfile.TemporaryDirectory() as d:
         f16 = str(Path(d) / "f16.gguf")
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for preset in args.presets:
             path = str(Path(d) / f"{preset}.gguf")
             llama_quantize(f16, path, preset, args.llama_python, threads=2)
-            rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts)
+            rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts, args.kernels, args.dtype)
             print(preset, rows[preset], file=sys.stderr, flush=True)
     print("| preset | tensors | file | resident (-q gguf) | ppl Pagoda / llama.cpp | batch 1 | 32 concurrent |")
     print("|---|---|---|---|---|---|---|")
