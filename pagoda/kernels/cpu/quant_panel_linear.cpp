@@ -3,7 +3,7 @@
 // and FP8 codes bf16 bit patterns (see Int8Codes, Fp8Codes); the layout below is INT4's. The driver (tile, run)
 // reads its weight through a source (CodePanels here; gguf_blocks.h's DotBlocks, GGUF blocks as stored, with bf16
 // activations): per panel and block of 8 k four vdpbf16ps operands, per panel and group the scales and the
-// coefficient of the group's sum of x.
+// coefficient of the group's sum of x. amx_blocks.h runs a GGUF source on AMX tiles instead, where a caller asks.
 //
 // Why panels: the row-major kernel (quant_linear.cpp) reduces every output across a vector and applies
 // scales one row at a time, which costs about as many instructions as the dot products. Here one 64-byte
@@ -426,7 +426,7 @@ bool gguf_panel_segment(const c10::BFloat16* x, int64_t M, int64_t K, int64_t ty
     run(src, x, M, K, rows / kPanel, bias, y, ldy);
   });
 #else
-  (void)x, (void)M, (void)K, (void)type, (void)data, (void)rows, (void)bias, (void)y, (void)ldy;
+  (void)x, (void)M, (void)K, (void)type, (void)data, (void)rows, (void)bias, (void)y, (void)ldy, (void)amx;
   return false;
 #endif
 }

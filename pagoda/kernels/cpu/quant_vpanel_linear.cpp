@@ -313,14 +313,14 @@ static void for_segments(const at::Tensor& data, const at::Tensor& table, int64_
 
 // x: [M, K] fp32 or bf16; y: [M, N] in x's dtype, fp32 sums, each segment through a panel driver: bf16 x through the
 // bf16 panel kernel's (quant_panel_linear.cpp: vdpbf16ps on the codes, or AMX tiles) where the build has its
-// decoder, else this file's on x widened to fp32. amx: bf16 x on AMX tiles (true) or vdpbf16ps (false); unset, AMX
-// wherever this build and CPU have it, at every row count (one summation order per output).
+// decoder, else this file's on x widened to fp32. amx: bf16 x on AMX tiles (amx_blocks.h; the build and CPU must have
+// AMX-BF16) or vdpbf16ps (unset: vdpbf16ps, faster at one row); either way at every row count, one order per output.
 at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, const at::Tensor& table,
                               const c10::optional<at::Tensor>& bias, c10::optional<bool> amx) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "gguf_vpanel_linear: x float32 or bfloat16 [M, K]");
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
-  const bool tiles = amx.value_or(bf16 && gguf_amx_available());
+  const bool tiles = amx.value_or(false);
   TORCH_CHECK(!tiles || (bf16 && gguf_amx_available()),
               "gguf_vpanel_linear: AMX tiles take bf16 x, on a build and CPU with AMX-BF16");
   const int64_t M = x_in.size(0), K = x_in.size(1);
