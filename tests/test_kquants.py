@@ -223,6 +223,7 @@ def test_amx_tiles_compute_gguf_py_weights_times_x_with_one_order_at_every_row_c
     bias = torch.randn(n)
     x = torch.randn(max(ROWS), k).bfloat16()
     full = on_tiles(x, pw, bias)
+    assert on_tiles(x[:0], pw, bias).shape == (0, n)
     for m in (*ROWS, 16, 33):
         got = on_tiles(x[:m], pw, bias)
         assert torch.equal(got, full[:m])  # batch invariance

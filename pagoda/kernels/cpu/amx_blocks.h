@@ -128,11 +128,15 @@ void run_blocks(const Src& src, const c10::BFloat16* x, int64_t M, int64_t K, in
   constexpr bool kCarried = Src::kCarry != 0.f;
   constexpr bool kXsum = kCarried || Src::has_offsets();
   using Terms = decltype(src.group(0, 0, kCarried));
+  if (M == 0) return;  // a tile of no rows is no configuration
   const int64_t G = src.G;
   const int rows = static_cast<int>(std::min<int64_t>(M, kRows));
   const int64_t strips = (M + kRows - 1) / kRows;
-  std::vector<float> xs = kXsum ? pagoda_simd::group_sums(x, M, K, gs) : std::vector<float>();
-  xs.resize(strips * kRows * G);  // the rows an epilogue computes past M (and drops) read zeros
+  std::vector<float> xs;
+  if constexpr (kXsum) {
+    xs = pagoda_simd::group_sums(x, M, K, gs);
+    xs.resize(strips * kRows * G);  // the rows an epilogue computes past M (and drops) read zeros
+  }
   std::vector<c10::BFloat16> padded;
   if (M > kRows && M % kRows) {  // whole strips for the tile loads; the zero rows' outputs are never stored
     padded.assign(strips * kRows * K, c10::BFloat16(0.f));
