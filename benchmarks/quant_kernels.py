@@ -7,7 +7,8 @@ bf16 activations) and dequantize-then-F.linear in bf16. Prints microseconds per 
 
 `--gguf Q4_K,Q5_K,Q6_K,Q5_0,Q8_0` times GGUF blocks instead, per type whose block divides K: held as stored (format
 "gguf", the kernel the engine runs) against the same weights as INT4/INT8 codes in panels (the path these types took
-before they kept their blocks), with `--act-dtype` activations.
+before they kept their blocks), with `--act-dtype` activations; with bf16 ones on a CPU with AMX, the blocks on AMX
+tiles too ("gguf amx", cpu/amx_blocks.h).
 
 `--model-sweep float32|bfloat16|int4|fp8` times the dense (or quantized) kernels the way a step meets them
 instead: every one of SmolLM2's 30 layers with its own weights (cold in cache) plus the LM
@@ -126,6 +127,9 @@ def gguf_candidates(k: int, n: int, m: int, types: list[str], act: torch.dtype) 
         for path, pw in (("gguf", stored_weight(raw, qtype, k)), ("codes", packed_from_blocks(raw, qtype, k))):
             pw = kernel_layout(pw, act)
             out[f"{name} {path}"] = lambda pw=pw: quant_linear(x, pw, None, use_cpp=True)
+            if path == "gguf" and act == torch.bfloat16 and torch.ops.pagoda.gguf_amx_available():
+                out[f"{name} gguf amx"] = lambda pw=pw: torch.ops.pagoda.gguf_vpanel_linear(x, pw.data, pw.scales,
+                                                                                           None, True)
     return out
 
 

@@ -173,8 +173,8 @@ def test_q8_0_codes_fuse_with_gguf_blocks_as_the_q8_0_blocks_they_are() -> None:
     assert_sums_of(quant_linear(x, kernel_layout(fused, torch.float32), None), x, ref, 1e-5)
 
 
-def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The checks above fail for a split whose sub-block scales are off by one place."""
+def shift_q4_k_sub_block_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes Q4_K's split put each sub-block's scale one place off."""
     right = gguf_blocks.GGUF_BLOCKS[int(T.Q4_K)]
 
     def shifted(b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -183,12 +183,96 @@ def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setitem(gguf_blocks.GGUF_BLOCKS, int(T.Q4_K),
                         gguf_blocks.GgufBlock(right.block, right.group, right.high_bits, shifted))
+
+
+def test_a_wrong_sub_block_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks above fail for a split whose sub-block scales are off by one place."""
+    shift_q4_k_sub_block_scales(monkeypatch)
     raw = random_blocks(T.Q4_K, 32, 256)
     pw = prepared(raw, T.Q4_K, 256)
     assert not torch.equal(pw.dequantize(), reference(raw, T.Q4_K))
     x = torch.randn(1, 256)
     with pytest.raises(AssertionError):
         assert_sums_of(quant_linear(x, pw, None), x, reference(raw, T.Q4_K), 1e-5)
+
+
+# ---- bf16 activations on AMX tiles (cpu/amx_blocks.h) ----------------------------------------------------
+def _gguf_amx() -> bool:
+    from pagoda.kernels.cpu_extension import kernel_available
+
+    return kernel_available() and torch.ops.pagoda.gguf_amx_available()
+
+
+needs_amx = pytest.mark.skipif(not _gguf_amx(), reason="the CPU (or this build) has no AMX-BF16")
+
+
+def on_tiles(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None, amx: bool = True) -> torch.Tensor:
+    """The GGUF kernel with bf16 x on AMX tiles (amx) or through vdpbf16ps (not amx), whatever the default."""
+    return torch.ops.pagoda.gguf_vpanel_linear(x, pw.data, pw.scales, bias, amx)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_amx_tiles_compute_gguf_py_weights_times_x_with_one_order_at_every_row_count(qtype: T) -> None:
+    """On AMX tiles: gguf-py's weights times x (plus the bias) rounded once, and a row's bits the same alone, in a
+    strip of fewer than 16 rows (tiles of that many rows), a whole strip, and batches padded to whole strips."""
+    n, k = 96, 512 if qtype not in BLOCKS_OF_32 else 96
+    raw = random_blocks(qtype, n, k, seed=4)
+    ref = reference(raw, qtype)
+    pw = prepared(raw, qtype, k, torch.bfloat16)
+    bias = torch.randn(n)
+    x = torch.randn(max(ROWS), k).bfloat16()
+    full = on_tiles(x, pw, bias)
+    assert on_tiles(x[:0], pw, bias).shape == (0, n)
+    for m in (*ROWS, 16, 33):
+        got = on_tiles(x[:m], pw, bias)
+        assert torch.equal(got, full[:m])  # batch invariance
+        assert_bf16_of(got, torch.cat([x[:m].float(), torch.ones(m, 1)], 1), torch.cat([ref, bias[:, None]], 1))
+        assert torch.equal(on_tiles(x[m - 1:m], pw, bias), full[m - 1:m])  # the last row alone
+
+
+@needs_amx
+def test_amx_tiles_run_where_asked_and_vdpbf16ps_where_not() -> None:
+    """TDPBF16PS adds a group's products otherwise than a vdpbf16ps chain, so over every type some outputs' low bits
+    tell the two drivers apart (which makes the equalities above pin the tiles); unasked, every row count takes the
+    vdpbf16ps driver, through quant_linear too."""
+    k, differ = 512, 0
+    torch.manual_seed(0)
+    for i, qtype in enumerate(TYPES):
+        raw = random_blocks(qtype, 64, k, seed=20 + i)
+        pw = prepared(raw, qtype, k, torch.bfloat16)
+        x = torch.randn(256, k).bfloat16()
+        tiles, chains = on_tiles(x, pw), on_tiles(x, pw, amx=False)
+        differ += int((tiles != chains).sum())
+        for m in ROWS:
+            assert torch.equal(quant_linear(x[:m], pw, None), chains[:m])
+    assert differ > 0
+
+
+@needs_amx
+def test_amx_tiles_catch_a_wrong_sub_block_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 check passes on the tiles for the right split and fails for scales one place off."""
+    raw = random_blocks(T.Q4_K, 32, 256, seed=5)
+    x = torch.randn(3, 256).bfloat16()
+    assert_bf16_of(on_tiles(x, prepared(raw, T.Q4_K, 256, torch.bfloat16)), x.float(), reference(raw, T.Q4_K))
+    shift_q4_k_sub_block_scales(monkeypatch)
+    with pytest.raises(AssertionError):
+        assert_bf16_of(on_tiles(x, prepared(raw, T.Q4_K, 256, torch.bfloat16)), x.float(), reference(raw, T.Q4_K))
+
+
+def test_amx_tiles_take_bf16_x_on_a_cpu_with_amx_only() -> None:
+    """fp32 x stays on the fp32 driver: asking for tiles is an error, as it is on a CPU or build without AMX."""
+    from pagoda.kernels.cpu_extension import kernel_available
+
+    if not kernel_available():
+        pytest.skip("no C++ kernels")
+    raw = random_blocks(T.Q4_K, 32, 256)
+    pw = prepared(raw, T.Q4_K, 256, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="AMX"):
+        on_tiles(torch.randn(2, 256), pw)
+    if not _gguf_amx():
+        with pytest.raises(RuntimeError, match="AMX"):
+            on_tiles(torch.randn(2, 256).bfloat16(), pw)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -47,6 +47,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Makes cfg the thread's tile configuration. GCC does not count ldtilecfg as a read of its operand and may drop the
+// stores that filled it (then the load faults), hence the barrier.
+inline void load_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 // Every tile is 16 rows of 64 bytes: C as fp32 [16][16], A as bf16 [16][32], B as bf16 pairs [16][16][2].
 inline void configure() {
   TileConfig cfg;
@@ -54,7 +61,7 @@ inline void configure() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = kRows;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // RB row strips of 16 x PB panels: C tiles 0..3 as (strip r, panel p) -> 2r + p.

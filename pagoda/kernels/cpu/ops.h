@@ -53,13 +53,17 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x, const at::Tensor& codes, con
 // A GGUF weight's super-blocks in portable panels: data uint8, table int64 [segments, 3] of (GGML type, rows,
 // byte offset) (quant_vpanel_linear.cpp, gguf_blocks.h)
 at::Tensor gguf_vpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& table,
-                              const c10::optional<at::Tensor>& bias);
+                              const c10::optional<at::Tensor>& bias, c10::optional<bool> amx = c10::nullopt);
+
+// Whether this build and CPU run bf16 GGUF segments on AMX tiles (quant_panel_linear.cpp, amx_blocks.h).
+bool gguf_amx_available();
 
 // One GGUF segment (GGML type `type`, `rows` output rows in gguf_blocks.h's AVX-512 panels at `data`) times bf16 x
-// [M, K] into y (ldy apart, bias from the segment's first row) through the bf16 panel driver; false where this build
-// has no bf16 decoder for it (quant_panel_linear.cpp).
+// [M, K] into y (ldy apart, bias from the segment's first row) through the bf16 panel driver, on AMX tiles where
+// `amx` (which gguf_amx_available must allow); false where this build has no bf16 decoder for it
+// (quant_panel_linear.cpp).
 bool gguf_panel_segment(const c10::BFloat16* x, int64_t M, int64_t K, int64_t type, const uint8_t* data,
-                        int64_t rows, const float* bias, c10::BFloat16* y, int64_t ldy);
+                        int64_t rows, const float* bias, c10::BFloat16* y, int64_t ldy, bool amx);
 
 // One linear whose weight is held in format `fmt` (linear_formats.h: kDense the weight, kPanels its panels, else the
 // codes with their scales and offsets), through that format's few-row kernel (linear_formats.cpp).

@@ -3,7 +3,7 @@
 // and FP8 codes bf16 bit patterns (see Int8Codes, Fp8Codes); the layout below is INT4's. The driver (tile, run)
 // reads its weight through a source (CodePanels here; gguf_blocks.h's DotBlocks, GGUF blocks as stored, with bf16
 // activations): per panel and block of 8 k four vdpbf16ps operands, per panel and group the scales and the
-// coefficient of the group's sum of x.
+// coefficient of the group's sum of x. amx_blocks.h runs a GGUF source on AMX tiles instead, where a caller asks.
 //
 // Why panels: the row-major kernel (quant_linear.cpp) reduces every output across a vector and applies
 // scales one row at a time, which costs about as many instructions as the dot products. Here one 64-byte
@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_blocks.h"
 #include "dispatch_rows.h"
 #include "gguf_blocks.h"
 #include "ops.h"
@@ -405,14 +406,27 @@ at::Tensor quant_panel_linear(const at::Tensor& x_in, const at::Tensor& codes, c
 }  // namespace
 
 namespace pagoda_cpu {
+bool gguf_amx_available() {
+#if defined(PAGODA_INT4_PANELS) && defined(PAGODA_GGUF_BF16) && defined(PAGODA_AMX_BLOCKS)
+  return pagoda_amx::available();
+#else
+  return false;
+#endif
+}
+
 bool gguf_panel_segment(const c10::BFloat16* x, int64_t M, int64_t K, int64_t type, const uint8_t* data,
-                        int64_t rows, const float* bias, c10::BFloat16* y, int64_t ldy) {
+                        int64_t rows, const float* bias, c10::BFloat16* y, int64_t ldy, bool amx) {
+  TORCH_CHECK(!amx || gguf_amx_available(), "gguf_panel_segment: this build or CPU has no AMX-BF16");
 #if defined(PAGODA_INT4_PANELS) && defined(PAGODA_GGUF_BF16)
   return pagoda_gguf::dispatch_type(type, [&](auto c) {
-    run(pagoda_gguf::DotBlocks<decltype(c)::value>(data, K), x, M, K, rows / kPanel, bias, y, ldy);
+    const pagoda_gguf::DotBlocks<decltype(c)::value> src(data, K);
+#if defined(PAGODA_AMX_BLOCKS)
+    if (amx) return pagoda_amx::run_blocks(src, x, M, K, rows / kPanel, bias, y, ldy);
+#endif
+    run(src, x, M, K, rows / kPanel, bias, y, ldy);
   });
 #else
-  (void)x, (void)M, (void)K, (void)type, (void)data, (void)rows, (void)bias, (void)y, (void)ldy;
+  (void)x, (void)M, (void)K, (void)type, (void)data, (void)rows, (void)bias, (void)y, (void)ldy, (void)amx;
   return false;
 #endif
 }

@@ -312,18 +312,22 @@ static void for_segments(const at::Tensor& data, const at::Tensor& table, int64_
 }
 
 // x: [M, K] fp32 or bf16; y: [M, N] in x's dtype, fp32 sums, each segment through a panel driver: bf16 x through the
-// bf16 panel kernel's (quant_panel_linear.cpp: vdpbf16ps on the codes) where the build has its decoder, else this
-// file's on x widened to fp32.
+// bf16 panel kernel's (quant_panel_linear.cpp: vdpbf16ps on the codes, or AMX tiles) where the build has its
+// decoder, else this file's on x widened to fp32. amx: bf16 x on AMX tiles (amx_blocks.h; the build and CPU must have
+// AMX-BF16) or vdpbf16ps (unset: vdpbf16ps, faster at one row); either way at every row count, one order per output.
 at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, const at::Tensor& table,
-                              const c10::optional<at::Tensor>& bias) {
+                              const c10::optional<at::Tensor>& bias, c10::optional<bool> amx) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "gguf_vpanel_linear: x float32 or bfloat16 [M, K]");
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const bool tiles = amx.value_or(false);
+  TORCH_CHECK(!tiles || (bf16 && gguf_amx_available()),
+              "gguf_vpanel_linear: AMX tiles take bf16 x, on a build and CPU with AMX-BF16");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const int64_t N = table.size(0) ? table.select(1, 1).sum().item<int64_t>() : 0;
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "gguf_vpanel_linear: bias fp32 [N]");
-  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
   const at::Tensor xb = bf16 ? x_in.contiguous() : at::Tensor();
   at::Tensor x;  // fp32 x, made once a segment needs it
   auto y = at::empty({M, N}, x_in.options());
@@ -332,7 +336,7 @@ at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, co
     const float* b = bp ? bp + row0 : nullptr;
     using Src = std::decay_t<decltype(src)>;
     if (bf16 && gguf_panel_segment(xb.const_data_ptr<c10::BFloat16>(), M, K, Src::kType, src.w, rows, b,
-                                   y.data_ptr<c10::BFloat16>() + row0, N))
+                                   y.data_ptr<c10::BFloat16>() + row0, N, tiles))
       return;
     if (!x.defined()) x = x_in.to(at::kFloat).contiguous();
     if (!bf16) run(src, x.data_ptr<float>(), b, y.data_ptr<float>() + row0, M, rows, N);
@@ -383,7 +387,8 @@ at::Tensor gguf_vpanel_rows(const at::Tensor& data, const at::Tensor& table, con
 }  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
-  m.def("gguf_vpanel_linear(Tensor x, Tensor data, Tensor table, Tensor? bias) -> Tensor");
+  m.def("gguf_vpanel_linear(Tensor x, Tensor data, Tensor table, Tensor? bias, bool? amx=None) -> Tensor");
+  m.def("gguf_amx_available() -> bool", &pagoda_cpu::gguf_amx_available);
   m.def("gguf_vpanel_rows(Tensor data, Tensor table, Tensor index, int K) -> Tensor");
   m.def("quant_vpanel_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? bias, int group_size, "
         "int kind=0) -> Tensor");
