@@ -4,6 +4,7 @@ row count, with the same bits for a row whatever the batch, and a tiny Llama GGU
 stored, generating what its float copy does."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from pagoda.bench.quant_table import weight_bytes_by_format
 from pagoda.kernels import gguf_blocks
+from pagoda.kernels.linear_formats import LINEAR_FORMATS
 from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linear
 from pagoda.quantization.gguf_native import stored_weight
 
@@ -232,20 +234,25 @@ def test_amx_tiles_compute_gguf_py_weights_times_x_with_one_order_at_every_row_c
 
 
 @needs_amx
-def test_amx_tiles_run_where_asked_and_vdpbf16ps_where_not() -> None:
-    """TDPBF16PS adds a group's products otherwise than a vdpbf16ps chain, so over every type some outputs' low bits
-    tell the two drivers apart (which makes the equalities above pin the tiles); unasked, every row count takes the
-    vdpbf16ps driver, through quant_linear too."""
+def test_amx_tiles_run_bf16_gguf_weights_wherever_the_cpu_has_them() -> None:
+    """kernel_layout gives bf16 GGUF weights the AMX tiles, which quant_linear (and the decoder stack's format code)
+    then take at every row count; TDPBF16PS adds a group's products otherwise than a vdpbf16ps chain, so over every
+    type some outputs' low bits tell the two drivers apart (which makes the equalities pin the path). The vdpbf16ps
+    driver, still every AVX512-BF16 CPU's without AMX, stays exact here too; fp32 activations never take the tiles."""
     k, differ = 512, 0
     torch.manual_seed(0)
     for i, qtype in enumerate(TYPES):
         raw = random_blocks(qtype, 64, k, seed=20 + i)
         pw = prepared(raw, qtype, k, torch.bfloat16)
+        assert pw.amx and pw.code == LINEAR_FORMATS["ggufa"]
+        assert not prepared(raw, qtype, k).amx
         x = torch.randn(256, k).bfloat16()
         tiles, chains = on_tiles(x, pw), on_tiles(x, pw, amx=False)
         differ += int((tiles != chains).sum())
         for m in ROWS:
-            assert torch.equal(quant_linear(x[:m], pw, None), chains[:m])
+            assert torch.equal(quant_linear(x[:m], pw, None), tiles[:m])
+            assert torch.equal(quant_linear(x[:m], dataclasses.replace(pw, amx=False), None), chains[:m])
+        assert_bf16_of(chains[:64], x[:64].float(), reference(raw, qtype))
     assert differ > 0
 
 

@@ -430,13 +430,15 @@ def test_quant_model_sweep_times_panels_against_the_row_major_kernels():
 
 def test_linear_formats_come_from_the_header_cpp_compiles():
     """One table (cpu/linear_formats.h): Python's codes are the enum the decoder stack and kernels dispatch on;
-    each quantized code is one (format, layout) and every PackedWeight has one."""
-    from pagoda.kernels.linear_formats import _HEADER, FIRST_PANEL_CODE, LINEAR_FORMATS, QUANT_CODES, _read
+    each quantized code is one (format, layout), or GGUF vpanels on AMX tiles, and every PackedWeight has one."""
+    from pagoda.kernels.linear_formats import _HEADER, FIRST_PANEL_CODE, GGUF_AMX, LINEAR_FORMATS, QUANT_CODES, _read
 
     assert _read(_HEADER) == LINEAR_FORMATS and len(set(LINEAR_FORMATS.values())) == len(LINEAR_FORMATS)
     assert LINEAR_FORMATS["dense"] < 0 and LINEAR_FORMATS["panels"] < 0
-    assert sorted(QUANT_CODES.values()) == sorted(c for c in LINEAR_FORMATS.values() if c >= 0)
+    assert sorted([*QUANT_CODES.values(), GGUF_AMX]) == sorted(c for c in LINEAR_FORMATS.values() if c >= 0)
     kinds = [QUANT_CODES[f, "panels16"] - FIRST_PANEL_CODE for f in ("int4", "int8", "fp8")]
     assert kinds == [0, 1, 2]  # quant_panel_linear's kinds
     with pytest.raises(ValueError, match="interleave8"):
         PackedWeight("int8", torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 64, 64, "interleave8")
+    with pytest.raises(ValueError, match="AMX"):
+        PackedWeight("int8", torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 64, 64, amx=True)

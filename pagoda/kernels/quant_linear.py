@@ -21,6 +21,7 @@ output in one order at every row count, and the fallback multiplies through oneD
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,7 +30,14 @@ import torch
 from pagoda.kernels import gguf_blocks
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.linear import PANEL, dense_linear
-from pagoda.kernels.linear_formats import FIRST_PANEL_CODE, FIRST_VPANEL_CODE, QUANT_CODES, Layout, QuantFormat
+from pagoda.kernels.linear_formats import (
+    FIRST_PANEL_CODE,
+    FIRST_VPANEL_CODE,
+    GGUF_AMX,
+    QUANT_CODES,
+    Layout,
+    QuantFormat,
+)
 
 # Output rows per row of `data`, by layout.
 _ROWS_PER_DATA_ROW: dict[Layout, int] = {"rows": 1, "interleave8": 8, "rows_a8": 1, "panels16": PANEL}
@@ -52,15 +60,18 @@ class PackedWeight:
     group_size: int
     in_features: int
     layout: Layout = "rows"      # interleave8 and panels16 are made by the methods of those names
+    amx: bool = False            # gguf vpanels, bf16 activations: the AMX tile driver reads them (kernel_layout)
 
     def __post_init__(self) -> None:
         if (self.format, self.layout) not in QUANT_CODES:  # e.g. interleave8 is INT4's only
             raise ValueError(f"no kernel takes {self.format!r} weights in layout {self.layout!r}")
+        if self.amx and (self.format, self.layout) != ("gguf", "vpanels"):
+            raise ValueError("only GGUF blocks in vpanels run on AMX tiles")
 
     @property
     def code(self) -> int:
         """The kernels' code for this format in this layout (cpu/linear_formats.h)."""
-        return QUANT_CODES[self.format, self.layout]
+        return GGUF_AMX if self.amx else QUANT_CODES[self.format, self.layout]
 
     @property
     def out_features(self) -> int:
@@ -372,7 +383,12 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
     if pw.format == "gguf":
         width = vpanel_width()
         fits = all(rows % width == 0 for _, rows, _ in gguf_blocks.segments(pw.scales))
-        return pw.vpanels(width) if fits and act_dtype in (torch.bfloat16, torch.float32) else pw
+        if not fits or act_dtype not in (torch.bfloat16, torch.float32):
+            return pw
+        # bf16 on AMX tiles wherever the CPU has them, at every row count, as dense bf16 weights run (amx_blocks.h:
+        # several times the vdpbf16ps driver's speed from a few rows up, somewhat slower at one).
+        amx = act_dtype == torch.bfloat16 and torch.ops.pagoda.gguf_amx_available()
+        return dataclasses.replace(pw.vpanels(width), amx=amx)
     if int4_activations == "int8" and pw.format == "int4":
         if pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size):
             return pw.interleave8()
@@ -414,7 +430,8 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         b = None if bias is None else bias.float().contiguous()
         if pw.format == "gguf":
             if x.dtype in (torch.bfloat16, torch.float32):
-                return torch.ops.pagoda.gguf_vpanel_linear(x.contiguous(), pw.data, pw.scales, b)
+                return torch.ops.pagoda.gguf_vpanel_linear(x.contiguous(), pw.data, pw.scales, b,
+                                                           pw.amx and x.dtype == torch.bfloat16)
         elif pw.layout == "vpanels":
             return torch.ops.pagoda.quant_vpanel_linear(x.contiguous(), pw.data, pw.scales, pw.offsets, b,
                                                         pw.group_size, pw.code - FIRST_VPANEL_CODE)

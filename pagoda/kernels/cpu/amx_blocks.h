@@ -14,8 +14,9 @@
 // group's products as a vdpbf16ps chain does, so the two drivers' bits differ: a caller picks one for a weight and
 // keeps it at every row count (gguf_vpanel_linear's `amx`).
 //
-// Why it is not the default: each group's codes go to memory and back into a tile, and its dot products out of one,
-// which at one row costs more than the vdpbf16ps it replaces; from a few rows up the tiles win.
+// The cost at one row: each group's codes go to memory and back into a tile, and its dot products out of one, which
+// costs more than the vdpbf16ps it replaces; from a few rows up the tiles win by several times, so bf16 GGUF weights
+// take them wherever the CPU has AMX (quant_linear.py: kernel_layout), as dense bf16 weights do.
 //
 // Tiles: C 0-3 (strip s, panel v at 2s + v), A 4-5 (strip s), B 6-7 (panel v). A thread owns pairs of panels and
 // walks their groups in blocks: per group it loads the pair's B tiles (decoded kAhead groups earlier) and runs the
