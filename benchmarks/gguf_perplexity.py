@@ -15,10 +15,10 @@ decoder stack) with the rounding applied in torch before each kernel call.
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import torch
+
+from benchmarks.gguf_types import corpus_ids, preset_files
 
 # The types whose llama.cpp dot product takes Q8_K activations (ggml-cpu's type_traits_cpu vec_dot_type);
 # every other GGUF block type takes Q8_0 or Q8_1, which round x alike.
@@ -88,36 +88,27 @@ def main(argv: list[str] | None = None) -> int:
     from pagoda import LLM
     from pagoda.bench.llama_cpp_peer import DEFAULT_LLAMA_PYTHON, run_llama_cpp
     from pagoda.eval.perplexity import perplexity, sliding_windows
-    from pagoda.model.default_model import default_model_path
-    from pagoda.quantization.gguf_export import gguf_source, write_gguf
-    from pagoda.quantization.llama_quantizer import llama_quantize
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q5_K_M"])
     p.add_argument("--llama-python", default=DEFAULT_LLAMA_PYTHON)
     p.add_argument("--text-chars", type=int, default=40000)
     args = p.parse_args(argv)
-    corpus = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "corpus" / "GPL-3"
-    ids = LLM(dtype="float32", kv_cache_memory="32MiB").get_tokenizer().encode(corpus.read_text()[:args.text_chars])
+    ids = corpus_ids(args.text_chars)
     windows = sliding_windows(len(ids), 256, 128)
     rows = {}
-    with tempfile.TemporaryDirectory() as d:
-        f16 = str(Path(d) / "f16.gguf")
-        write_gguf(gguf_source(default_model_path()), f16, "F16")
-        for preset in args.presets:
-            path = str(Path(d) / f"{preset}.gguf")
-            llama_quantize(f16, path, preset, args.llama_python, threads=2)
+    for preset, path in preset_files(args.presets, args.llama_python):
+        llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="256MiB")
+        exact = perplexity(llm, ids, 256, 128).perplexity
+        del llm
+        with llama_rounding():
             llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="256MiB")
-            exact = perplexity(llm, ids, 256, 128).perplexity
+            rounded = perplexity(llm, ids, 256, 128).perplexity
             del llm
-            with llama_rounding():
-                llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="256MiB")
-                rounded = perplexity(llm, ids, 256, 128).perplexity
-                del llm
-            peer = run_llama_cpp(path, python=args.llama_python, extra_bufts=False,
-                                 perplexity=([ids[w.begin:w.end] for w in windows],
-                                             [w.end - w.begin - w.num_scored for w in windows]))
-            rows[preset] = (exact, rounded, peer["perplexity"]["perplexity"])
+        peer = run_llama_cpp(path, python=args.llama_python, extra_bufts=False,
+                             perplexity=([ids[w.begin:w.end] for w in windows],
+                                         [w.end - w.begin - w.num_scored for w in windows]))
+        rows[preset] = (exact, rounded, peer["perplexity"]["perplexity"])
     print(f"{len(ids)} tokens, windows of 256 every 128")
     print("| preset | Pagoda | Pagoda, x rounded as llama.cpp's | llama.cpp |")
     print("|---|---|---|---|")

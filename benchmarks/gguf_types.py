@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -60,11 +61,33 @@ def measure(path: str, python: str, ids: list[int], extra_bufts: bool, kernels: 
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pagoda.bench.llama_cpp_peer import DEFAULT_LLAMA_PYTHON
+def corpus_ids(chars: int, kernels: str = "auto") -> list[int]:
+    """The first `chars` characters of the bundled GPL-3 text, as the embedded model's tokens."""
+    from pagoda import LLM
+
+    corpus = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "corpus" / "GPL-3"
+    tokenizer = LLM(dtype="float32", kv_cache_memory="32MiB", kernels=kernels).get_tokenizer()
+    return tokenizer.encode(corpus.read_text()[:chars])
+
+
+def preset_files(presets: list[str], llama_python: str) -> Iterator[tuple[str, str]]:
+    """(preset, path) per preset: the embedded model's weights as an F16 GGUF, quantized by llama.cpp's own
+    quantizer, in a folder that lives as long as the iteration."""
     from pagoda.model.default_model import default_model_path
     from pagoda.quantization.gguf_export import gguf_source, write_gguf
     from pagoda.quantization.llama_quantizer import llama_quantize
+
+    with tempfile.TemporaryDirectory() as d:
+        f16 = str(Path(d) / "f16.gguf")
+        write_gguf(gguf_source(default_model_path()), f16, "F16")
+        for preset in presets:
+            path = str(Path(d) / f"{preset}.gguf")
+            llama_quantize(f16, path, preset, llama_python, threads=2)
+            yield preset, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagoda.bench.llama_cpp_peer import DEFAULT_LLAMA_PYTHON
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
@@ -75,20 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="auto", help="the C++ kernel build Pagoda runs (auto, native, avx2)")
     p.add_argument("--dtype", default="bfloat16", help="Pagoda's compute dtype for the speed columns")
     args = p.parse_args(argv)
-    corpus = Path(__file__).resolve().parents[1] / "pagoda" / "bench" / "corpus" / "GPL-3"
-    from pagoda import LLM
-
-    tokenizer = LLM(dtype="float32", kv_cache_memory="32MiB", kernels=args.kernels).get_tokenizer()
-    ids = tokenizer.encode(corpus.read_text()[:args.text_chars])
+    ids = corpus_ids(args.text_chars, args.kernels)
     rows = {}
-    with tempfile.TemporaryDirectory() as d:
-        f16 = str(Path(d) / "f16.gguf")
-        write_gguf(gguf_source(default_model_path()), f16, "F16")
-        for preset in args.presets:
-            path = str(Path(d) / f"{preset}.gguf")
-            llama_quantize(f16, path, preset, args.llama_python, threads=2)
-            rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts, args.kernels, args.dtype)
-            print(preset, rows[preset], file=sys.stderr, flush=True)
+    for preset, path in preset_files(args.presets, args.llama_python):
+        rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts, args.kernels, args.dtype)
+        print(preset, rows[preset], file=sys.stderr, flush=True)
     print("| preset | tensors | file | resident (-q gguf) | ppl Pagoda / llama.cpp | batch 1 | 32 concurrent |")
     print("|---|---|---|---|---|---|---|")
     for preset, r in rows.items():
