@@ -7,8 +7,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from pagoda import LLM, SamplingParams
+from pagoda.kernels import gguf_blocks
 from pagoda.kernels.cpu_extension import kernel_available
 from pagoda.kernels.quant_linear import quant_linear
 from pagoda.layers.linear import Linear
@@ -160,15 +162,21 @@ def test_int4_on_a_q4_gguf_keeps_the_files_grid():
 @pytest.mark.skipif(not (kernel_available() and torch.ops.pagoda.quant_panels_supported(64, 64)),
                     reason="the INT4/INT8 panel kernel needs AVX512-BF16")
 def test_gguf_native_bf16_runs_the_panel_kernel_and_matches_bf16_float():
+    """The file's Q4_1 and Q8_0 matrices run on the INT4/INT8 panels, or, on CPUs with AMX, as the GGUF blocks they
+    are on its tiles (kernel_layout), and agree with the dequantized model."""
     llm = LLM(quantization="gguf", dtype="bfloat16", kv_cache_memory="64MiB")
     model = llm.engine.runner.model
     gate_up, head = model.layers[0].mlp.gate_up_proj.qweight, model.lm_head.qweight
-    assert (gate_up.format, gate_up.layout, head.format, head.layout) == ("int4", "panels16", "int8", "panels16")
+    if torch.ops.pagoda.gguf_amx_available():
+        assert all((w.format, w.layout, w.amx) == ("gguf", "vpanels", True) for w in (gate_up, head))
+        assert [t for t, _, _ in gguf_blocks.segments(head.scales)] == [int(GGMLQuantizationType.Q8_0)]
+    else:
+        assert (gate_up.format, gate_up.layout, head.format, head.layout) == ("int4", "panels16", "int8", "panels16")
     # Still one Q8_0 table: the embedding gathers its rows from the head's panel layout.
     assert model.embed_tokens.pw is model.lm_head.qweight
     ids = torch.tensor([0, 5, 49151, 1234, 5])
-    row_major = model.lm_head.qweight.row_major()
-    assert torch.equal(model.embed_tokens(ids), row_major.rows(ids).dequantize(torch.bfloat16))
+    table = model.lm_head.qweight.dequantize(torch.float32)
+    assert torch.equal(model.embed_tokens(ids), table[ids].bfloat16())
     # Against the dequantized GGUF in bf16 (dense panel kernels). bf16 logits of ~16 are 0.0625 apart, so
     # exact and one-step ties are common, and different kernels' summation orders flip them: each output
     # must agree for 16 tokens or part at such a tie (measured: 4 prompts agree over all 32 tokens, one for

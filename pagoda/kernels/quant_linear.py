@@ -374,12 +374,16 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
     K a multiple of 64; rows a multiple of 8), else rows_a8 (the row-major AVX2 kernel); otherwise, with bf16 or fp32
     activations, every format takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of
     16): bf16 dot products, or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel
-    computes)."""
+    computes). GGUF blocks take vpanels, on AMX tiles with bf16 activations where the CPU has them; there INT8 and INT4
+    codes that are exactly Q8_0, Q4_0 or Q4_1 blocks (fp16 scales per 32) join them as those blocks."""
     if int4_activations not in ("int8", "float"):
         raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
     # Each layout's own predicate decides (a group of 16 takes the panels, not the row-major kernel).
     if pw.layout != "rows" or pw.data.device.type != "cpu" or not kernel_available():
         return pw
+    if pw.format != "gguf" and int4_activations == "float" and act_dtype == torch.bfloat16 \
+            and torch.ops.pagoda.gguf_amx_available():
+        pw = pw._as_gguf()  # Q8_0, Q4_0 and Q4_1 codes (fp16 scales per 32) as their blocks, for the AMX tiles
     if pw.format == "gguf":
         width = vpanel_width()
         fits = all(rows % width == 0 for _, rows, _ in gguf_blocks.segments(pw.scales))
