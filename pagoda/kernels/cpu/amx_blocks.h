@@ -139,11 +139,7 @@ void run_blocks(const Src& src, const c10::BFloat16* x, int64_t M, int64_t K, in
     xs.resize(strips * kRows * G);  // the rows an epilogue computes past M (and drops) read zeros
   }
   std::vector<c10::BFloat16> padded;
-  if (M > kRows && M % kRows) {  // whole strips for the tile loads; the zero rows' outputs are never stored
-    padded.assign(strips * kRows * K, c10::BFloat16(0.f));
-    std::memcpy(padded.data(), x, M * K * sizeof(c10::BFloat16));
-    x = padded.data();
-  }
+  if (M > kRows) x = whole_strips(x, M, K, padded);  // under 16 rows the tiles have M rows
   const int64_t pairs = (P + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     configure_groups<gs>(rows);

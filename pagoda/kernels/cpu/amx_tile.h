@@ -99,16 +99,22 @@ inline void store(const float* c, int64_t rows, int64_t cols, const c10::BFloat1
   }
 }
 
+// x [M, K] as whole strips of 16 rows for the tile loads: x itself, or a copy in `padded` with zero rows after M
+// (whose outputs are never stored).
+inline const c10::BFloat16* whole_strips(const c10::BFloat16* x, int64_t M, int64_t K,
+                                         std::vector<c10::BFloat16>& padded) {
+  if (M % kRows == 0) return x;
+  padded.assign((M + kRows - 1) / kRows * kRows * K, c10::BFloat16(0.f));
+  std::memcpy(padded.data(), x, M * K * sizeof(c10::BFloat16));
+  return padded.data();
+}
+
 // x [M, K] bf16 (K a multiple of 32), w panels [N/16][K/2][16][2], y [M, N].
 inline void linear(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, const c10::BFloat16* bias,
                    c10::BFloat16* y, int64_t N) {
   const int64_t strips = (M + kRows - 1) / kRows;
   std::vector<c10::BFloat16> padded;
-  if (M % kRows) {  // whole strips for the tile loads; the zero rows' outputs are never stored
-    padded.assign(strips * kRows * K, c10::BFloat16(0.f));
-    std::memcpy(padded.data(), x, M * K * sizeof(c10::BFloat16));
-    x = padded.data();
-  }
+  x = whole_strips(x, M, K, padded);
   const int64_t panels = N / kPanel, pairs = (panels + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     configure();

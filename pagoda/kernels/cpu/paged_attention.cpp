@@ -168,9 +168,7 @@ struct PrefetchQueue {
       if (++i == runs[run].count) i = 0, ++run;
     }
   }
-  void drain() {
-    while (run < n) issue(64);
-  }
+  void drain() { issue(std::numeric_limits<int>::max()); }
 };
 
 // Dispatch a row block of size 1..RB to the matching template instance.
@@ -396,10 +394,10 @@ inline void queue_chunk(const Args& a, const Bf16Chunk& ch, int nk, PrefetchQueu
 }
 
 // T: the dtype of q and out; C: the cache element (T itself, or an 8-bit tag). `following`: the item this thread
-// runs next (or null); over a bf16 cache its first chunk is fetched during this item's last, and `first_queued`
-// says the previous item did that for this one. Returns whether this item queued the following one's.
+// runs next (or null); over a bf16 cache its first chunk is fetched during this item's last, so `first_queued` (not
+// the thread's first item) says the previous item did that for this one.
 template <typename T, typename C>
-bool run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C* __restrict kc,
+void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C* __restrict kc,
               const C* __restrict vc, T* __restrict out, Scratch& sc, const WorkItem* following, bool first_queued) {
   const int64_t D = a.D, G = a.G, bs = a.block_size;
   const int64_t q0 = a.qsl[it.seq];
@@ -410,7 +408,6 @@ bool run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   const int64_t first_pos = ctx0 + it.q_begin;  // position of the tile's first query
   const auto [kv_begin, kv_end] = key_range(it, a);
   const int64_t last_pos = kv_end - 1;
-  bool queued_following = false;
   const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
 
   // A bf16 cache with K words is read in place: K by qk_pairs_tile, V rows by pv_bf16_tile.
@@ -439,7 +436,7 @@ bool run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 
   // Over a bf16 cache, where the current chunk lies (no table of row pointers: a block lookup per key cost as much
   // as the chunk's dot products). Unused in builds without AVX512-BF16.
-  [[maybe_unused]] Bf16Chunk chunk{};
+  [[maybe_unused]] Bf16Chunk chunk{}, next_chunk{};
   const int64_t vs2 = a.vc_s2;
   [[maybe_unused]] const auto vrow_seg = [&](int j) { return chunk.v[j >> 4] + (j & 15) * vs2; };
   [[maybe_unused]] PrefetchQueue& pf = sc.next_chunk;
@@ -449,16 +446,16 @@ bool run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
       // Keys past nk within a group are whatever the block holds: masked in S, and PV stops at nk.
-      chunk = bf16_chunk(a, kc, vc, it, c0, nk);
+      chunk = c0 == kv_begin ? bf16_chunk(a, kc, vc, it, c0, nk) : next_chunk;  // the one queued last time
       if (c0 == kv_begin && !first_queued) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, c0 + nk);
       if (c0 + KC < kv_end) {
         const int next_nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0 - KC));
-        queue_chunk(a, bf16_chunk(a, kc, vc, it, c0 + KC, next_nk), next_nk, pf);
+        next_chunk = bf16_chunk(a, kc, vc, it, c0 + KC, next_nk);
+        queue_chunk(a, next_chunk, next_nk, pf);
       } else if (following != nullptr) {
         const KeyRange r = key_range(*following, a);
         const int next_nk = static_cast<int>(std::min<int64_t>(KC, r.end - r.begin));
         queue_chunk(a, bf16_chunk(a, kc, vc, *following, r.begin, next_nk), next_nk, pf);
-        queued_following = true;
       } else {
         pf.clear();
       }
@@ -588,7 +585,6 @@ bool run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #endif
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
     }
-  return queued_following;
 }
 
 template <typename T, typename C = T>
@@ -606,10 +602,9 @@ void run_all(const std::vector<WorkItem>& items, const Args& a, const at::Tensor
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     Scratch sc(max_rows, a.D);
-    bool queued = false;
-    for (int64_t i = next.fetch_add(1); i < n;) {
+    for (int64_t i = next.fetch_add(1), first = i; i < n;) {
       const int64_t j = next.fetch_add(1);
-      queued = run_item<T, C>(items[i], a, qp, kp, vp, op, sc, j < n ? &items[j] : nullptr, queued);
+      run_item<T, C>(items[i], a, qp, kp, vp, op, sc, j < n ? &items[j] : nullptr, i != first);
       i = j;
     }
   });
