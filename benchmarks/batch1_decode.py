@@ -19,11 +19,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--quantization", default=None)
-    ap.add_argument("--int4-activations", default="float")
+    ap.add_argument("--quant-activations", default="float")
     ap.add_argument("--tokens", type=int, default=192)
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, kernels=args.kernels, quantization=args.quantization, kv_cache_memory="256MiB",
-              int4_activations=args.int4_activations)
+              quant_activations=args.quant_activations)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     prompt = [list(range(100, 132))]
     llm.generate(prompt, params, use_tqdm=False)

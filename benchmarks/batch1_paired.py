@@ -1,5 +1,5 @@
 """Batch-1 decode against llama.cpp, paired: `python -m benchmarks.batch1_paired --llama-python PATH [--kernels avx2]
-[--int4-activations int8]`.
+[--quant-activations int8]`.
 
 `pagoda bench quant` measures llama.cpp's batch 1 a minute after Pagoda's, and this machine's bandwidth drifts by
 10-30% within minutes. Here one process holds Pagoda's model and alternates with llama.cpp's peer (its own process
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="int4")
-    p.add_argument("--int4-activations", default="float", choices=["float", "int8"])
+    p.add_argument("--quant-activations", default="float", choices=["float", "int8"])
     p.add_argument("--llama-python", default=DEFAULT_LLAMA_PYTHON)
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     gguf = args.model or default_model_path()
     llm = LLM(gguf, dtype=args.dtype, kernels=args.kernels, quantization=args.quantization,
-              int4_activations=args.int4_activations, kv_cache_memory="256MiB")
+              quant_activations=args.quant_activations, kv_cache_memory="256MiB")
     prompt = list(range(100, 132))
     run_batch1_decode(llm, prompt, args.tokens)  # warm-up
     ratios = []

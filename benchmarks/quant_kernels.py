@@ -72,7 +72,7 @@ def candidates(k: int, n: int, m: int) -> dict[str, Callable[[], object]]:
         out["int4 panels"] = lambda: quant_linear(xb, p4p, None, use_cpp=True)
         out["int8 panels"] = lambda: quant_linear(xb, p8p, None, use_cpp=True)
         out["fp8 panels"] = lambda: quant_linear(xb, pfp, None, use_cpp=True)
-    if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # int4_activations="int8"
+    if n % 8 == 0 and torch.ops.pagoda.int4x8_supported(k, p4.group_size):  # quant_activations="int8"
         p4x8 = p4.interleave8()
         out["int4x8 int8-act"] = lambda: quant_linear(xb, p4x8, None, use_cpp=True)
     q8 = p8.data
@@ -154,7 +154,7 @@ def _dense_kernels(dtype: torch.dtype, ws: list[torch.Tensor], m: int) -> dict[s
 
 def _quant_kernels(ws: list[PackedWeight], dtype: torch.dtype = torch.bfloat16) -> dict[str, LayerCall]:
     """Quantized layers and LM head: the row-major streaming kernels first; then each panel layout the build has;
-    INT4 with INT8 activations (int4_activations="int8"); with fp32 activations, oneDNN on the dequantized fp32
+    INT4 with INT8 activations (quant_activations="int8"); with fp32 activations, oneDNN on the dequantized fp32
     weights last (what the float model runs)."""
     out: dict[str, LayerCall] = {"row-major": lambda x, i: quant_linear(x, ws[i], None, use_cpp=True)}
     width = vpanel_width()
@@ -164,7 +164,7 @@ def _quant_kernels(ws: list[PackedWeight], dtype: torch.dtype = torch.bfloat16) 
     if torch.ops.pagoda.quant_panels_supported(ws[0].in_features, ws[0].group_size):
         panels = [pw.panels16() for pw in ws]
         out["panels"] = lambda x, i: quant_linear(x, panels[i], None, use_cpp=True)
-    if any(pw.format == "int4" for pw in ws):  # int4_activations="int8": the layouts the engine then takes
+    if any(pw.format == "int4" for pw in ws):  # quant_activations="int8": the layouts the engine then takes
         a8 = [kernel_layout(pw, dtype, "int8") for pw in ws]
         out["int8-act"] = lambda x, i: quant_linear(x, a8[i], None, use_cpp=True)
     if dtype == torch.float32:

@@ -262,9 +262,9 @@ class EngineConfig:
     # (-march=native / x86-64-v3, kernels/cpu_extension.py); either is an error where it can't build or run;
     # torch: torch ops only
     kernels: str = "auto"
-    # int8: INT4 layers quantize activations to INT8 and use VNNI dot products (faster, slightly higher perplexity:
-    # docs/benchmarks.md)
-    int4_activations: str = "float"
+    # int8: quantized linears (INT4, GGUF blocks) round their activations to INT8 per block and compute with integer
+    # dot products, as llama.cpp does (docs/benchmarks.md); float: weight-only, exact products of the float x
+    quant_activations: str = "float"
     # auto: where several kernels can serve a linear layer's shape, time them once on this machine and keep the
     # fastest (kernels/tuning.py; cached in tuning.json beside the kernel build); off: the built-in choice.
     # PAGODA_KERNEL_TUNING sets the default (the test suite runs "off": its layouts must not depend on a timing).
@@ -290,7 +290,7 @@ class EngineConfig:
         structured_keys = {f"structured_outputs_{f}" for f in StructuredOutputsConfig.__dataclass_fields__}
         lora_keys = set(LoRAConfig.__dataclass_fields__)
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
-                    "quantization_group_size", "kernels", "int4_activations", "kernel_tuning", "tensor_parallel_size",
+                    "quantization_group_size", "kernels", "quant_activations", "kernel_tuning", "tensor_parallel_size",
                     "cpus", "threads"}
         unknown = set(kw) - cache_keys - sched_keys - policy_keys - structured_keys - lora_keys - top_keys
         if unknown:
@@ -322,7 +322,7 @@ class EngineConfig:
         from pagoda.quantization.methods import check_method
 
         resolve_dtype(self.dtype, self.device)
-        check_kernels(self.kernels, self.int4_activations, self.kernel_tuning)
+        check_kernels(self.kernels, self.quant_activations, self.kernel_tuning)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         memory = parse_memory(self.cache.kv_cache_memory)
@@ -344,4 +344,4 @@ class EngineConfig:
 
     def kernel_policy(self) -> KernelPolicy:
         """The kernels this engine's models may use, resolved once (the C++ build is tried here)."""
-        return KernelPolicy.resolve(self.kernels, self.int4_activations, self.kernel_tuning)
+        return KernelPolicy.resolve(self.kernels, self.quant_activations, self.kernel_tuning)

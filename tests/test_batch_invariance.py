@@ -21,7 +21,7 @@ from pagoda.kernels.cpu_extension import kernel_available
 
 # (max_num_batched_tokens, other prompts in the batch): the first is the reference, the needle alone.
 RUNS = [(2048, 0), (64, 0), (64, 8), (512, 8), (512, 40), (2048, 40)]
-# dtype, quantization ("gguf": the file's blocks as stored), int4_activations
+# dtype, quantization ("gguf": the file's blocks as stored), quant_activations
 FORMATS = [(dtype, quant, "float") for dtype in ("float32", "bfloat16") for quant in (None, "int4", "int8", "fp8")] \
     + [("float32", "int4", "int8"), ("bfloat16", "int4", "int8")]
 
@@ -120,15 +120,15 @@ def _quant_kernels() -> bool:
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-@pytest.mark.parametrize("dtype,quantization,int4_activations", FORMATS)
-def test_tiny_model_logprobs_do_not_depend_on_the_batch(tiny, dtype, quantization, int4_activations, kernels,
+@pytest.mark.parametrize("dtype,quantization,quant_activations", FORMATS)
+def test_tiny_model_logprobs_do_not_depend_on_the_batch(tiny, dtype, quantization, quant_activations, kernels,
                                                         request):
-    if kernels == "torch" and (int4_activations == "int8" or request.config.getoption("--kernels") != "auto"):
+    if kernels == "torch" and (quant_activations == "int8" or request.config.getoption("--kernels") != "auto"):
         pytest.skip("int8 activations are a C++ kernel's; the torch paths run once, in the default session")
-    if not _quant_kernels() and (quantization in ("int8", "fp8") or int4_activations == "int8"):
+    if not _quant_kernels() and (quantization in ("int8", "fp8") or quant_activations == "int8"):
         pytest.skip("the C++ kernels did not build: the torch paths dequantize every format alike")
     model, kw = tiny
-    assert_batch_invariant(model, 512, dtype=dtype, quantization=quantization, int4_activations=int4_activations,
+    assert_batch_invariant(model, 512, dtype=dtype, quantization=quantization, quant_activations=quant_activations,
                            kernels=kernels, **kw)
 
 
@@ -144,13 +144,13 @@ def test_smollm_gguf_logprobs_do_not_depend_on_the_batch(default_gguf, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-@pytest.mark.parametrize("dtype,quantization,int4_activations",
+@pytest.mark.parametrize("dtype,quantization,quant_activations",
                          FORMATS + [("float32", "gguf", "float"), ("bfloat16", "gguf", "float")])
-def test_smollm_logprobs_do_not_depend_on_the_batch_exhaustive(default_gguf, dtype, quantization, int4_activations,
+def test_smollm_logprobs_do_not_depend_on_the_batch_exhaustive(default_gguf, dtype, quantization, quant_activations,
                                                                kernels):
-    if kernels == "torch" and int4_activations == "int8":
+    if kernels == "torch" and quant_activations == "int8":
         pytest.skip("int8 activations are a C++ kernel's")
-    assert_batch_invariant(None, 49152, dtype=dtype, quantization=quantization, int4_activations=int4_activations,
+    assert_batch_invariant(None, 49152, dtype=dtype, quantization=quantization, quant_activations=quant_activations,
                            kernels=kernels)
 
 

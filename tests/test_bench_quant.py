@@ -32,7 +32,7 @@ def test_a8_rows_load_their_models_with_int8_activations(tiny_llama, default_ggu
     llm = _load(parse_row("int4+a8", tiny_llama), argparse.Namespace(concurrency=4, seed=0, dtype="auto",
                                                                       kernels="auto"),
                 tokenizer=default_gguf, kv_cache_memory="16MiB")
-    assert llm.engine.config.int4_activations == "int8"
+    assert llm.engine.config.quant_activations == "int8"
     pw = llm.engine.runner.model.layers[0].mlp.gate_up_proj.qweight
     x8 = kernel_available() and torch.ops.pagoda.int4x8_supported(64, 64)  # AVX2 or VNNI
     assert (pw.format, pw.layout) == ("int4", "interleave8" if x8 else "rows")

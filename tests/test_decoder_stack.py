@@ -43,7 +43,7 @@ def test_stack_equals_layer_by_layer(model, dtype, quantization, kv_cache_dtype,
     int8_activations = quantization == "int4+int8-activations"
     kw = {"quantization": quantization} if quantization else {}
     if int8_activations:  # the int4x8 layout and its kernel (where the CPU has VNNI)
-        kw = {"quantization": "int4", "int4_activations": "int8"}
+        kw = {"quantization": "int4", "quant_activations": "int8"}
     llm = LLM(request.getfixturevalue(model), tokenizer=default_gguf, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
               max_num_seqs=4, **kw)
     net = llm.engine.runner.model

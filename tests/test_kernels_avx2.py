@@ -81,7 +81,7 @@ def test_avx2_build_offers_no_avx512_only_kernels(request):
     assert panel_pack(w) is None and panel_pack(w.bfloat16()) is None and not small_m_supported(torch.float32, 128)
     pw = quantize_weight("int4", w, 32)
     for dtype in (torch.float32, torch.bfloat16):
-        kernel = choose_linear_kernel(None, pw, None, dtype, KernelPolicy(cpp=True, int4_activations="int8"))
+        kernel = choose_linear_kernel(None, pw, None, dtype, KernelPolicy(cpp=True, quant_activations="int8"))
         assert kernel.qweight.layout == "interleave8" and kernel.cpp and kernel.stack_args() is not None
         weight_only = choose_linear_kernel(None, pw, None, dtype, policy)
         assert weight_only.qweight.layout == "vpanels" and weight_only.cpp  # the portable panels, 16 columns

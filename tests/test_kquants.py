@@ -251,7 +251,7 @@ def test_amx_tiles_run_bf16_gguf_weights_wherever_the_cpu_has_them() -> None:
         differ += int((tiles != chains).sum())
         for m in ROWS:
             assert torch.equal(quant_linear(x[:m], pw, None), tiles[:m])
-            assert torch.equal(quant_linear(x[:m], dataclasses.replace(pw, amx=False), None), chains[:m])
+            assert torch.equal(quant_linear(x[:m], dataclasses.replace(pw, gguf_driver="float"), None), chains[:m])
         assert_bf16_of(chains[:64], x[:64].float(), reference(raw, qtype))
     assert differ > 0
 
@@ -293,6 +293,104 @@ def test_panels_hold_the_files_bytes(qtype: T) -> None:
 CFG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-5)
 PROMPTS = [[5, 17, 99, 3, 250], list(range(10, 47)), [7], list(range(100, 300, 3))]
+
+
+# ---- int8 activations (quant_activations="int8": cpu/gguf_a8_linear.cpp) ----------------------------------
+Q8_K_TYPES = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}  # ggml-cpu's vec_dot_type Q8_K; the rest Q8_0
+
+
+def round_q8_k(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's quantize_row_q8_K rounds it: per 256 values, the first value of largest magnitude maps to
+    -127, the rest to nearest integers (ties to even, capped at 127), times 1 / the block's scale."""
+    b = x.reshape(-1, 256)
+    top = b.gather(1, b.abs().argmax(dim=1, keepdim=True))
+    iscale = torch.where(top != 0, -127.0 / top, torch.zeros_like(top))
+    q = torch.clamp(torch.round(iscale * b), max=127)
+    return (q * torch.where(top != 0, 1.0 / iscale, torch.zeros_like(top))).reshape(x.shape)
+
+
+def round_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x as ggml-cpu's x86 quantize_row_q8_0 rounds it: per 32 values, codes round(x * 127 / amax) times amax / 127
+    stored as fp16."""
+    b = x.reshape(-1, 32)
+    amax = b.abs().amax(dim=1, keepdim=True)
+    q = torch.round(b * torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 127).half().float()).reshape(x.shape)
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows with an outlier per block now and then, and a zero block (its scale 0), as hidden states have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[torch.rand(m, k, generator=g) < 0.01] *= 30
+    x[0, :256] = 0
+    return x
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_activations_round_x_as_llama_cpp_and_dot_the_codes_exactly(qtype: T) -> None:
+    """x rounded per block as llama.cpp rounds it for this type (Q8_K or Q8_0), times gguf-py's weights, plus the
+    bias, in fp32 sums of exact integer dot products: a row's bits the same at every row count, and the build's
+    micro-kernel (VNNI, AVX2) giving the reference micro-kernel's very integers."""
+    n, k = 96, 512
+    raw = random_blocks(qtype, n, k, seed=30)
+    ref = reference(raw, qtype)
+    pw = kernel_layout(stored_weight(raw, int(qtype), k), torch.float32, "int8")
+    assert (pw.layout, pw.gguf_driver, pw.code) == ("vpanels", "int8", LINEAR_FORMATS["ggufi8"])
+    assert kernel_layout(stored_weight(raw, int(qtype), k), torch.float32).gguf_driver == "float"
+    x, bias = activations(max(ROWS), k, seed=31), torch.randn(n)
+    xr = (round_q8_k if qtype in Q8_K_TYPES else round_q8_0)(x)
+    assert torch.equal(torch.ops.pagoda.gguf_a8_round(x, int(qtype)), xr)
+    full = quant_linear(x, pw, bias)
+    assert torch.equal(full, torch.ops.pagoda.gguf_a8_linear(x, pw.data, pw.scales, bias, True))
+    ones = torch.ones(max(ROWS), 1)
+    assert_sums_of(full, torch.cat([xr, ones], 1), torch.cat([ref, bias[:, None]], 1), 1e-5)
+    for m in ROWS:
+        assert torch.equal(quant_linear(x[:m], pw, bias), full[:m])
+        assert torch.equal(quant_linear(x[m - 1:m], pw, bias), full[m - 1:m])
+    xb = x.bfloat16()
+    got = quant_linear(xb, pw, bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, quant_linear(xb.float(), pw, bias).bfloat16())  # bf16 x rounds as its fp32 value
+
+
+def test_int8_activations_round_each_segment_for_its_type() -> None:
+    """A fused weight of Q4_K (Q8_K activations) beside Q8_0 and Q5_0 (Q8_0 activations): each segment's columns
+    are its own type's product."""
+    k = 256
+    parts = [(T.Q4_K, 64), (T.Q8_0, 32), (T.Q5_0, 32)]
+    raws = [random_blocks(t, n, k, seed=40 + i) for i, (t, n) in enumerate(parts)]
+    pw = kernel_layout(PackedWeight.cat([stored_weight(r, int(t), k) for r, (t, _) in zip(raws, parts)]),
+                       torch.float32, "int8")
+    assert pw.gguf_driver == "int8"
+    x = activations(5, k, seed=41)
+    got = quant_linear(x, pw, None)
+    want = torch.cat([(round_q8_k if t in Q8_K_TYPES else round_q8_0)(x).double() @ reference(r, t).double().T
+                      for r, (t, _) in zip(raws, parts)], 1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_activations_take_q8_0_and_q4_codes_as_their_blocks() -> None:
+    """INT8 and INT4 codes that are exactly Q8_0 or Q4_1 blocks (a GGUF's lone matrices) run as llama.cpp runs those
+    blocks, with Q8_0 activations."""
+    k = 128
+    for qtype in (T.Q8_0, T.Q4_1):
+        raw = random_blocks(qtype, 32, k, seed=50)
+        pw = kernel_layout(stored_weight(raw, int(qtype), k), torch.float32, "int8")
+        assert (pw.format, pw.gguf_driver) == ("gguf", "int8")
+        x = activations(3, k, seed=51)
+        x[0] = 0
+        torch.testing.assert_close(quant_linear(x, pw, None).double(), round_q8_0(x).double() @ reference(raw, qtype).double().T,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_int8_activations_catch_a_wrong_sub_block_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = random_blocks(T.Q4_K, 32, 256, seed=3)
+    x = activations(2, 256, seed=4)
+    ok = quant_linear(x, kernel_layout(stored_weight(raw, int(T.Q4_K), 256), torch.float32, "int8"), None)
+    shift_q4_k_sub_block_scales(monkeypatch)
+    bad = quant_linear(x, kernel_layout(stored_weight(raw, int(T.Q4_K), 256), torch.float32, "int8"), None)
+    assert not torch.allclose(ok, bad, rtol=1e-3, atol=1e-3)
 
 
 def _write_kquant_llama(path: Path) -> Path:
@@ -352,6 +450,37 @@ def test_a_kquant_gguf_runs_as_stored_and_generates_what_its_float_copy_does(tmp
     del stored
     want = greedy(LLM(path, tokenizer=default_gguf, dtype="float32", kv_cache_memory="16MiB"))  # dequantized
     assert got == want
+
+
+def test_a_kquant_gguf_runs_with_int8_activations_in_the_decoder_stack_as_layer_by_layer(tmp_path,
+                                                                                          default_gguf) -> None:
+    """quant_activations="int8": every GGUF linear takes the int8-activation driver, the decoder stack's format code
+    included (the same tokens and logprobs as layer by layer), and greedy decoding stays near the exact path's."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.kernels.cpu_extension import build_isa
+
+    path = str(_write_kquant_llama(tmp_path / "tiny-kquants.gguf"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    llm = LLM(path, tokenizer=default_gguf, quantization="gguf", dtype="float32", kv_cache_memory="16MiB",
+              quant_activations="int8")
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                   model.lm_head):
+        assert linear.qweight.gguf_driver == "int8"
+
+    def run() -> list:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    fused = run()
+    if model.stack is not None or build_isa().avx512:
+        assert model.stack is not None
+        model.stack = None
+        assert run() == fused
+    exact = LLM(path, tokenizer=default_gguf, quantization="gguf", dtype="float32", kv_cache_memory="16MiB")
+    want = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params, use_tqdm=False)]
+    assert [ids[:4] for ids, _ in fused] == [ids[:4] for ids in want]
 
 
 def test_tensor_parallel_splits_whole_super_blocks() -> None:

@@ -269,7 +269,7 @@ def test_int4x8_sums_stay_exact_at_the_largest_products_and_every_row_count():
                     reason="the INT8-activation AVX2 kernel needs the C++ kernels with AVX2")
 @pytest.mark.parametrize("k,n,group", [(576, 64, 32), (1536, 37, 64), (96, 5, 32), (256, 131, 128)])
 def test_int4a8_kernel_computes_int8_activations_times_int4_weights(k, n, group):
-    """The AVX2 kernel (layout rows_a8, what builds without VNNI run for int4_activations="int8"): the same sums as
+    """The AVX2 kernel (layout rows_a8, what builds without VNNI run for quant_activations="int8"): the same sums as
     llama.cpp's Q4 x Q8 (x rounded to int8 per 32 columns), at every row count 1-64, each row as computed alone."""
     pw, b = _case("int4", k, n, True, group, seed=n)
     a8 = pw.rows_a8()
@@ -332,7 +332,7 @@ def test_int4_activation_mode_picks_the_layout():
     assert kernel_layout(odd_rows, bf16, "int8").layout == ("rows_a8" if avx2 else "rows")
     int8, _ = _case("int8", 576, 40, False)
     assert kernel_layout(int8, bf16, "int8") is int8
-    with pytest.raises(ValueError, match="int4_activations"):
+    with pytest.raises(ValueError, match="quant_activations"):
         kernel_layout(pw, bf16, "int4")
 
 
@@ -430,15 +430,25 @@ def test_quant_model_sweep_times_panels_against_the_row_major_kernels():
 
 def test_linear_formats_come_from_the_header_cpp_compiles():
     """One table (cpu/linear_formats.h): Python's codes are the enum the decoder stack and kernels dispatch on;
-    each quantized code is one (format, layout), or GGUF vpanels on AMX tiles, and every PackedWeight has one."""
-    from pagoda.kernels.linear_formats import _HEADER, FIRST_PANEL_CODE, GGUF_AMX, LINEAR_FORMATS, QUANT_CODES, _read
+    each quantized code is one (format, layout), or GGUF vpanels read by another driver (AMX tiles, int8
+    activations), and every PackedWeight has one."""
+    from pagoda.kernels.linear_formats import (
+        _HEADER,
+        FIRST_PANEL_CODE,
+        GGUF_DRIVER_CODES,
+        LINEAR_FORMATS,
+        QUANT_CODES,
+        _read,
+    )
 
     assert _read(_HEADER) == LINEAR_FORMATS and len(set(LINEAR_FORMATS.values())) == len(LINEAR_FORMATS)
     assert LINEAR_FORMATS["dense"] < 0 and LINEAR_FORMATS["panels"] < 0
-    assert sorted([*QUANT_CODES.values(), GGUF_AMX]) == sorted(c for c in LINEAR_FORMATS.values() if c >= 0)
+    assert sorted([*QUANT_CODES.values(), *GGUF_DRIVER_CODES.values()]) == sorted(c for c in LINEAR_FORMATS.values() if c >= 0)
     kinds = [QUANT_CODES[f, "panels16"] - FIRST_PANEL_CODE for f in ("int4", "int8", "fp8")]
     assert kinds == [0, 1, 2]  # quant_panel_linear's kinds
     with pytest.raises(ValueError, match="interleave8"):
         PackedWeight("int8", torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 64, 64, "interleave8")
-    with pytest.raises(ValueError, match="AMX"):
-        PackedWeight("int8", torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 64, 64, amx=True)
+    for driver in GGUF_DRIVER_CODES:
+        with pytest.raises(ValueError, match="only GGUF blocks"):
+            PackedWeight("int8", torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1), None, 64, 64,
+                         gguf_driver=driver)

@@ -30,7 +30,7 @@ class RowSpec:
     model: str | None
     dtype: str
     quantization: str | None
-    int8_activations: bool = False  # INT4 layers with int4_activations="int8"
+    int8_activations: bool = False  # INT4 layers with quant_activations="int8"
 
 
 def parse_row(spec: str, model: str | None) -> RowSpec:
@@ -107,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS,
                    help="float32 bfloat16 int8 int4 fp8 gguf, or NAME=CHECKPOINT_DIR for a saved checkpoint; "
-                        "NAME+a8 (int4+a8, gguf+a8, int4-awq+a8=DIR) with int4_activations=int8")
+                        "NAME+a8 (int4+a8, gguf+a8, int4-awq+a8=DIR) with quant_activations=int8")
     p.add_argument("--compare", nargs="*", choices=["llama-cpp"], default=[])
     p.add_argument("--llama-python", default=None, metavar="PATH",
                    help="python of the llama-cpp-python venv, for --compare llama-cpp (default: the venv "
@@ -150,7 +150,7 @@ def _load(row: RowSpec, args: argparse.Namespace, **extra: Any) -> Any:
     dtype = args.dtype if row.dtype == "auto" else row.dtype
     kw: dict[str, Any] = {"dtype": dtype, "kernels": args.kernels, "max_num_seqs": args.concurrency,
                           "kv_cache_memory": "2GiB",
-                          "seed": args.seed, "int4_activations": "int8" if row.int8_activations else "float",
+                          "seed": args.seed, "quant_activations": "int8" if row.int8_activations else "float",
                           **extra}
     if row.quantization:
         kw["quantization"] = row.quantization

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from pagoda.kernels.policy import INT4_ACTIVATIONS, KERNEL_TUNING, KERNELS
+from pagoda.kernels.policy import QUANT_ACTIVATIONS, KERNEL_TUNING, KERNELS
 
 
 def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
@@ -54,9 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:
                    help="auto: the best build of Pagoda's C++ CPU kernels for this CPU (an error where it cannot "
                         "build); native: the -march=native build; avx2: the x86-64-v3 build (AVX2+FMA, no AVX-512); "
                         "torch: torch ops only (default auto)")
-    p.add_argument("--int4-activations", default=None, choices=list(INT4_ACTIVATIONS),
-                   help="int8: INT4 weights compute with INT8 activations (VNNI; faster, slightly higher "
-                        "perplexity; see docs/benchmarks.md) (default float)")
+    p.add_argument("--quant-activations", "--int4-activations", dest="quant_activations", default=None,
+                   choices=list(QUANT_ACTIVATIONS),
+                   help="int8: quantized linears (INT4, GGUF blocks) round their activations to int8 per block and "
+                        "compute with integer dot products, as llama.cpp does (VNNI, AVX2, Arm dot products; faster "
+                        "on CPUs without AVX512-BF16, slightly different perplexity: docs/benchmarks.md) "
+                        "(default float; --int4-activations is its former name)")
     p.add_argument("--kernel-tuning", default=None, choices=list(KERNEL_TUNING),
                    help="auto: where several C++ kernels can serve a linear layer's shape, time them once on this "
                         "machine and keep the fastest (cached beside the kernel build); off: the built-in choice "
@@ -87,7 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "max_model_len", "seed",
             "scheduling_policy", "enable_prefix_caching", "quantization", "kv_cache_dtype", "speculative_config",
             "quantization_group_size", "structured_outputs_backend", "structured_outputs_jump_forward", "kernels",
-            "int4_activations", "kernel_tuning", "tensor_parallel_size", "cpus", "threads",
+            "quant_activations", "kernel_tuning", "tensor_parallel_size", "cpus", "threads",
             "structured_outputs_compile_workers",
             "structured_outputs_compile_timeout", "structured_outputs_compile_memory",
             "enable_lora", "max_loras", "max_lora_rank"]

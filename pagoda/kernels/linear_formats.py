@@ -40,7 +40,9 @@ QUANT_CODES: dict[tuple[QuantFormat, Layout], int] = {
     ("gguf", "rows"): LINEAR_FORMATS["gguf"],
     ("gguf", "vpanels"): LINEAR_FORMATS["ggufv"],
 }
-GGUF_AMX = LINEAR_FORMATS["ggufa"]  # gguf vpanels read by the AMX tile driver (PackedWeight.amx)
+# The drivers that read gguf vpanels (PackedWeight.gguf_driver) and their codes where not the vpanels' own.
+GgufDriver = Literal["float", "amx", "int8"]
+GGUF_DRIVER_CODES: dict[GgufDriver, int] = {"amx": LINEAR_FORMATS["ggufa"], "int8": LINEAR_FORMATS["ggufi8"]}
 # quant_panel_linear's `kind` is a panel code minus this one (as decoder_stack.cpp computes it).
 FIRST_PANEL_CODE = LINEAR_FORMATS["int4p"]
 FIRST_VPANEL_CODE = LINEAR_FORMATS["int4v"]  # and quant_vpanel_linear's

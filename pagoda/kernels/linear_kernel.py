@@ -66,7 +66,7 @@ def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | No
     prepacked copy. Each layer keeps one kernel at every row count (batch invariance, kernels/linear.py); the
     few-row streaming kernel only serves where oneDNN is missing."""
     if qweight is not None:
-        pw = kernel_layout(qweight, act_dtype, policy.int4_activations) if policy.cpp else qweight
+        pw = kernel_layout(qweight, act_dtype, policy.quant_activations) if policy.cpp else qweight
         cpp = policy.cpp and cpp_supported(pw)
         if policy.tuner is not None and cpp and pw.layout in ("panels16", "vpanels") and pw.format != "gguf" \
                 and torch.ops.pagoda.quant_linear_supported(pw.in_features, pw.group_size):  # the row-major kernel's

@@ -6,7 +6,7 @@ min m is the offset directly). With bf16 or fp32 activations, where the build ha
 (AVX512-BF16), INT4, INT8 and FP8 weights are prepared in panels of 16 output columns (`kernel_layout`: layout
 "panels16") for one C++ kernel at every row count (cpu/quant_panel_linear.cpp). Elsewhere (other builds: avx2,
 Arm; shapes the panels cannot take) the portable row-major kernel (cpu/quant_linear.cpp) runs, also at every row
-count, with fp32 sums. On request (config `int4_activations="int8"`), INT4 layers quantize their activations to INT8
+count, with fp32 sums. On request (config `quant_activations="int8"`), INT4 layers quantize their activations to INT8
 per 32 columns and compute with integer dot products: layout "interleave8" (8 interleaved rows: VNNI's vpdpbusd,
 AVX2's vpmaddubsw or Arm's sdot) where the shape allows, else "rows_a8" (the row-major codes, AVX2); both compute
 the same sums. Shapes the kernels cannot take (K or group not a multiple of 32), a missing build, or another device
@@ -33,8 +33,9 @@ from pagoda.kernels.linear import PANEL, dense_linear
 from pagoda.kernels.linear_formats import (
     FIRST_PANEL_CODE,
     FIRST_VPANEL_CODE,
-    GGUF_AMX,
+    GGUF_DRIVER_CODES,
     QUANT_CODES,
+    GgufDriver,
     Layout,
     QuantFormat,
 )
@@ -60,18 +61,24 @@ class PackedWeight:
     group_size: int
     in_features: int
     layout: Layout = "rows"      # interleave8 and panels16 are made by the methods of those names
-    amx: bool = False            # gguf vpanels, bf16 activations: the AMX tile driver reads them (kernel_layout)
+    # Which driver reads gguf vpanels (kernel_layout): "float" the panel drivers (weight-only), "amx" the AMX tiles
+    # (bf16 activations), "int8" the integer dot products with activations rounded as llama.cpp rounds them.
+    gguf_driver: GgufDriver = "float"
 
     def __post_init__(self) -> None:
         if (self.format, self.layout) not in QUANT_CODES:  # e.g. interleave8 is INT4's only
             raise ValueError(f"no kernel takes {self.format!r} weights in layout {self.layout!r}")
-        if self.amx and (self.format, self.layout) != ("gguf", "vpanels"):
-            raise ValueError("only GGUF blocks in vpanels run on AMX tiles")
+        if self.gguf_driver != "float" and (self.format, self.layout) != ("gguf", "vpanels"):
+            raise ValueError(f"only GGUF blocks in vpanels take the {self.gguf_driver!r} driver")
+
+    @property
+    def amx(self) -> bool:
+        return self.gguf_driver == "amx"
 
     @property
     def code(self) -> int:
         """The kernels' code for this format in this layout (cpu/linear_formats.h)."""
-        return GGUF_AMX if self.amx else QUANT_CODES[self.format, self.layout]
+        return GGUF_DRIVER_CODES.get(self.gguf_driver) or QUANT_CODES[self.format, self.layout]
 
     @property
     def out_features(self) -> int:
@@ -368,22 +375,25 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return col, 2 * half + j, 4 + 2 * half + j
 
 
-def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: str = "float") -> PackedWeight:
-    """The layout the chosen CPU kernel takes, for activations of `act_dtype`: with `int4_activations="int8"`
-    (KernelPolicy), INT4 takes layout interleave8 where the build has that kernel (AVX2, VNNI or Arm's dot products;
-    K a multiple of 64; rows a multiple of 8), else rows_a8 (the row-major AVX2 kernel); otherwise, with bf16 or fp32
-    activations, every format takes panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of
-    16): bf16 dot products, or fp32 FMAs on the same operands (exact products and fp32 sums, as the row-major kernel
-    computes). GGUF blocks take vpanels, on AMX tiles with bf16 activations where the CPU has them; there INT8 and INT4
-    codes that are exactly Q8_0, Q4_0 or Q4_1 blocks (fp16 scales per 32) join them as those blocks."""
-    if int4_activations not in ("int8", "float"):
-        raise ValueError(f"int4_activations must be 'float' or 'int8', not {int4_activations!r}")
+def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, quant_activations: str = "float") -> PackedWeight:
+    """The layout the chosen CPU kernel takes, for activations of `act_dtype`. With `quant_activations="int8"`
+    (KernelPolicy), GGUF blocks take vpanels read by the int8-activation driver (x rounded per block as llama.cpp's
+    vec_dot_type rounds it, integer dot products: cpu/gguf_a8_linear.cpp), and so do INT8 and INT4 codes that are
+    exactly Q8_0, Q4_0 or Q4_1 blocks (fp16 scales per 32), as llama.cpp runs them; other INT4 takes layout
+    interleave8 where the build has that kernel (AVX2, VNNI or Arm's dot products; K a multiple of 64; rows a multiple
+    of 8), else rows_a8 (the row-major AVX2 kernel). Otherwise, with bf16 or fp32 activations, every format takes
+    panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products, or fp32
+    FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes). GGUF blocks take
+    vpanels, on AMX tiles with bf16 activations where the CPU has them; there INT8 and INT4 codes that are exactly
+    Q8_0, Q4_0 or Q4_1 blocks join them as those blocks."""
+    if quant_activations not in ("int8", "float"):
+        raise ValueError(f"quant_activations must be 'float' or 'int8', not {quant_activations!r}")
     # Each layout's own predicate decides (a group of 16 takes the panels, not the row-major kernel).
     if pw.layout != "rows" or pw.data.device.type != "cpu" or not kernel_available():
         return pw
-    if pw.format != "gguf" and int4_activations == "float" and act_dtype == torch.bfloat16 \
-            and torch.ops.pagoda.gguf_amx_available():
-        pw = pw._as_gguf()  # Q8_0, Q4_0 and Q4_1 codes (fp16 scales per 32) as their blocks, for the AMX tiles
+    amx = act_dtype == torch.bfloat16 and torch.ops.pagoda.gguf_amx_available()
+    if pw.format != "gguf" and (quant_activations == "int8" or (act_dtype == torch.bfloat16 and amx)):
+        pw = pw._as_gguf()  # Q8_0, Q4_0 and Q4_1 codes (fp16 scales per 32) as their blocks
     if pw.format == "gguf":
         width = vpanel_width()
         fits = all(rows % width == 0 for _, rows, _ in gguf_blocks.segments(pw.scales))
@@ -391,9 +401,9 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, int4_activations: st
             return pw
         # bf16 on AMX tiles wherever the CPU has them, at every row count, as dense bf16 weights run (amx_blocks.h:
         # several times the vdpbf16ps driver's speed from a few rows up, somewhat slower at one).
-        amx = act_dtype == torch.bfloat16 and torch.ops.pagoda.gguf_amx_available()
-        return dataclasses.replace(pw.vpanels(width), amx=amx)
-    if int4_activations == "int8" and pw.format == "int4":
+        driver = "int8" if quant_activations == "int8" else "amx" if amx else "float"
+        return dataclasses.replace(pw.vpanels(width), gguf_driver=driver)
+    if quant_activations == "int8" and pw.format == "int4":
         if pw.out_features % 8 == 0 and torch.ops.pagoda.int4x8_supported(pw.in_features, pw.group_size):
             return pw.interleave8()
         return pw.rows_a8() if torch.ops.pagoda.int4a8_supported(pw.in_features, pw.group_size) else pw
@@ -433,6 +443,8 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
         b = None if bias is None else bias.float().contiguous()
         if pw.format == "gguf":
+            if x.dtype in (torch.bfloat16, torch.float32) and pw.gguf_driver == "int8":
+                return torch.ops.pagoda.gguf_a8_linear(x.contiguous(), pw.data, pw.scales, b)
             if x.dtype in (torch.bfloat16, torch.float32):
                 return torch.ops.pagoda.gguf_vpanel_linear(x.contiguous(), pw.data, pw.scales, b,
                                                            pw.amx and x.dtype == torch.bfloat16)

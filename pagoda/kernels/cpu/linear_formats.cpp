@@ -16,6 +16,7 @@ at::Tensor format_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   if (fmt == kDense) return small_m_linear(x, w, bias);
   if (fmt == kPanels) return packed_linear(x, w, bias);
   TORCH_CHECK(scales.has_value(), "format_linear: a quantized weight (format ", fmt, ") needs its scales");
+  if (fmt == kGgufI8) return gguf_a8_linear(x, w, *scales, bias);  // scales: the segment table
   if (fmt == kGgufV || fmt == kGgufA) return gguf_vpanel_linear(x, w, *scales, bias, fmt == kGgufA);  // scales: the segment table
   if (fmt >= kInt4p && fmt <= kFp8p) return quant_panel_linear(x, w, *scales, offsets, bias, group_size, fmt - kInt4p);
   if (fmt >= kInt4v && fmt <= kFp8v) return quant_vpanel_linear(x, w, *scales, offsets, bias, group_size, fmt - kInt4v);

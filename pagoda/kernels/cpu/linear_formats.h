@@ -2,7 +2,7 @@
 // (pagoda/kernels/linear_formats.py reads this enum at import, so a new format is added here only).
 // format_linear (linear_formats.cpp) dispatches on it for the decoder stack and the MoE experts;
 // quant_linear.cpp takes kInt4..kInt4a8; quant_panel_linear.cpp takes kInt4p..kFp8p as its kind (format - kInt4p),
-// quant_vpanel_linear.cpp kInt4v..kFp8v (format - kInt4v), and kGgufV and kGgufA as gguf_vpanel_linear.
+// quant_vpanel_linear.cpp kInt4v..kFp8v (format - kInt4v), kGgufV and kGgufA as gguf_vpanel_linear, kGgufI8 as gguf_a8_linear.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +26,7 @@ enum LinearFormat : int64_t {
   kGguf = 11,    // GGUF super-blocks as stored, row-major (no kernel reads them: prepared as kGgufV)
   kGgufV = 12,   // GGUF blocks (K-quants, 32-weight types) in portable panels (gguf_blocks.h)
   kGgufA = 13,   // the same panels on AMX tiles, bf16 activations (amx_blocks.h)
+  kGgufI8 = 14,  // the same panels times int8 activations, rounded as llama.cpp rounds them (gguf_a8_linear.cpp)
 };
 
 }  // namespace pagoda_cpu

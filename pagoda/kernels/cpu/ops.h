@@ -55,6 +55,11 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x, const at::Tensor& codes, con
 at::Tensor gguf_vpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& table,
                               const c10::optional<at::Tensor>& bias, c10::optional<bool> amx = c10::nullopt);
 
+// The same weight times x rounded to int8 per block as llama.cpp rounds it (Q8_K or Q8_0 by segment type), with
+// integer dot products (gguf_a8_linear.cpp)
+at::Tensor gguf_a8_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& table,
+                          const c10::optional<at::Tensor>& bias, bool reference = false);
+
 // Whether this build and CPU run bf16 GGUF segments on AMX tiles (quant_panel_linear.cpp, amx_blocks.h).
 bool gguf_amx_available();
 

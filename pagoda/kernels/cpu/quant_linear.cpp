@@ -332,7 +332,7 @@ QuantizedX quantize_x_i8(const at::Tensor& x, int64_t chunk, int64_t gs) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // INT4 weights (row-major, as kInt4) times INT8 activations on AVX2 (fmt kInt4a8): what the shapes int4x8 cannot
-// take (rows not in blocks of 8, K not a multiple of 64) run for int4_activations="int8", llama.cpp's Q4 x Q8. Per
+// take (rows not in blocks of 8, K not a multiple of 64) run for quant_activations="int8", llama.cpp's Q4 x Q8. Per
 // 32 columns a row's 16 bytes become 32 codes [low nibbles | high nibbles] = [even | odd columns], matching x's
 // [even | odd] int8 block; vpmaddubsw multiplies unsigned codes by signed activations into 16-bit pairs (|sum| <=
 // 2 * 15 * 127: no saturation), vpmaddwd sums pairs to 8 int32, and one FMA adds them scaled by s * a. One chain per

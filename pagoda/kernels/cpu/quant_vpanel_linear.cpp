@@ -25,6 +25,7 @@
 
 #include "dispatch_rows.h"
 #include "gguf_blocks.h"
+#include "gguf_segments.h"
 #include "linear_formats.h"
 #include "ops.h"
 #include "quant_decode.h"
@@ -286,31 +287,6 @@ at::Tensor quant_vpanel_linear(const at::Tensor& x_in, const at::Tensor& codes, 
   return y;
 }
 
-// A GGUF weight's segments (gguf_blocks.h): table int64 [S, 3] of (GGML type, output rows, byte offset into data),
-// checked against the data's size; fn(Blocks<T>, first output row, rows) per segment.
-template <typename Fn>
-static void for_segments(const at::Tensor& data, const at::Tensor& table, int64_t K, Fn&& fn) {
-  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 1 && data.is_contiguous(), "gguf panels: data uint8 [bytes]");
-  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 3 && table.is_contiguous(),
-              "gguf panels: table int64 [segments, 3]");
-  const auto* t = table.data_ptr<int64_t>();
-  const auto* base = data.data_ptr<uint8_t>();
-  int64_t row0 = 0;
-  for (int64_t s = 0; s < table.size(0); ++s) {
-    const int64_t type = t[3 * s], rows = t[3 * s + 1], offset = t[3 * s + 2];
-    const bool known = pagoda_gguf::dispatch_type(type, [&](auto c) {
-      using B = pagoda_gguf::Blocks<decltype(c)::value>;
-      TORCH_CHECK(K % B::Tr::kBlock == 0 && rows % P == 0, "gguf panels: segment ", s, " of GGML type ", type,
-                  " takes K a multiple of ", B::Tr::kBlock, " and rows of ", P, ", not K ", K, ", ", rows, " rows");
-      TORCH_CHECK(offset >= 0 && offset + rows / P * B::panel_bytes(K) <= data.numel(), "gguf panels: segment ", s,
-                  " runs past the data");
-      fn(B(base + offset, K), row0, rows);
-    });
-    TORCH_CHECK(known, "gguf panels: GGML type ", type, " is not in gguf_blocks.h's table");
-    row0 += rows;
-  }
-}
-
 // x: [M, K] fp32 or bf16; y: [M, N] in x's dtype, fp32 sums, each segment through a panel driver: bf16 x through the
 // bf16 panel kernel's (quant_panel_linear.cpp: vdpbf16ps on the codes, or AMX tiles) where the build has its
 // decoder, else this file's on x widened to fp32. amx: bf16 x on AMX tiles (amx_blocks.h; the build and CPU must have
@@ -332,7 +308,7 @@ at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, co
   at::Tensor x;  // fp32 x, made once a segment needs it
   auto y = at::empty({M, N}, x_in.options());
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  for_segments(data, table, K, [&](const auto& src, int64_t row0, int64_t rows) {
+  pagoda_gguf::for_segments(data, table, K, [&](const auto& src, int64_t row0, int64_t rows) {
     const float* b = bp ? bp + row0 : nullptr;
     using Src = std::decay_t<decltype(src)>;
     if (bf16 && gguf_panel_segment(xb.const_data_ptr<c10::BFloat16>(), M, K, Src::kType, src.w, rows, b,
@@ -353,7 +329,7 @@ at::Tensor gguf_vpanel_rows(const at::Tensor& data, const at::Tensor& table, con
   const int64_t R = idx.size(0);
   auto out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
   std::vector<uint8_t> done(R, 0);
-  for_segments(data, table, K, [&](const auto& src, int64_t row0, int64_t rows) {
+  pagoda_gguf::for_segments(data, table, K, [&](const auto& src, int64_t row0, int64_t rows) {
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
       float lo[W], hi[W], s[P], o[P];
       for (int64_t r = r0; r < r1; ++r) {
