@@ -1,12 +1,14 @@
 """GGUF presets as people download them, against llama.cpp on the same files:
-`python -m benchmarks.gguf_types [--presets Q4_K_M Q5_K_M ...] [--kernels avx2 --dtype float32 --llama-python PY]`.
+`python -m benchmarks.gguf_types [--presets Q4_K_M Q5_K_M ...] [--kernels avx2 --dtype float32 --llama-python PY]
+[--quant-activations int8]`.
 
 The embedded SmolLM2's weights (its Q4_1 file dequantized) are written as an F16 GGUF (gguf-py), and llama.cpp's
 own quantizer (llama-cpp-python's `llama_model_quantize`, from `bash scripts/install-peers.sh llama`) makes each
 preset from it, as `pagoda quantize --gguf PRESET` does (pagoda/quantization/gguf_export.py). Per file: the tensor
 types it holds, its size against Pagoda's resident weight bytes under `-q gguf` (as stored), perplexity on the same
 token windows (Pagoda fp32 against llama.cpp), batch-1 decode and 32 concurrent requests (Pagoda bf16 against
-llama.cpp, two threads each). Prints one table.
+llama.cpp, two threads each). Prints one table. `--quant-activations int8` runs Pagoda's every column with activations
+rounded to int8 per block as llama.cpp rounds them (integer dot products, cpu/gguf_a8_linear.cpp).
 
 `--kernels avx2` measures what a CPU without AVX-512 gets: run it with `ONEDNN_MAX_CPU_ISA=AVX2
 ATEN_CPU_CAPABILITY=avx2`, `--dtype float32` (such CPUs have no bf16 arithmetic) and llama.cpp built for AVX2
@@ -27,14 +29,16 @@ def tensor_types(path: str) -> str:
     return ", ".join(f"{n} {k}" for k, n in counts(path, matrices_only=True).most_common())
 
 
-def measure(path: str, python: str, ids: list[int], extra_bufts: bool, kernels: str, dtype: str) -> dict:
+def measure(path: str, python: str, ids: list[int], extra_bufts: bool, kernels: str, dtype: str,
+            quant_activations: str = "float") -> dict:
     from pagoda import LLM, SamplingParams
     from pagoda.bench.llama_cpp_peer import run_llama_cpp
     from pagoda.bench.quant_table import weight_bytes
     from pagoda.eval.perplexity import perplexity, sliding_windows
 
     row: dict = {"file_mib": Path(path).stat().st_size / 2**20, "types": tensor_types(path)}
-    llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="128MiB", kernels=kernels)
+    llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory="128MiB", kernels=kernels,
+              quant_activations=quant_activations)
     row["resident_mib"] = weight_bytes(llm.engine.runner.model) / 2**20
     row["ppl"] = perplexity(llm, ids, 256, 128).perplexity
     del llm
@@ -47,7 +51,8 @@ def measure(path: str, python: str, ids: list[int], extra_bufts: bool, kernels: 
     row["llama_ppl"] = peer["perplexity"]["perplexity"]
     row["llama_b1"] = 127 / peer["batch1"]["decode_s"]
     row["llama_32"] = peer["batched"]["output_tokens"] / peer["batched"]["elapsed_s"]
-    llm = LLM(path, quantization="gguf", dtype=dtype, kv_cache_memory="256MiB", kernels=kernels)
+    llm = LLM(path, quantization="gguf", dtype=dtype, kv_cache_memory="256MiB", kernels=kernels,
+              quant_activations=quant_activations)
     from pagoda.bench.throughput import run_batch1_decode
 
     run_batch1_decode(llm, prompt, 16)
@@ -97,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="llama.cpp without its repacked/AMX weight buffers (where its build crashes in them)")
     p.add_argument("--kernels", default="auto", help="the C++ kernel build Pagoda runs (auto, native, avx2)")
     p.add_argument("--dtype", default="bfloat16", help="Pagoda's compute dtype for the speed columns")
+    p.add_argument("--quant-activations", default="float", choices=("float", "int8"),
+                   help="int8: Pagoda rounds each linear's input to int8 per block, as llama.cpp does")
     args = p.parse_args(argv)
     ids = corpus_ids(args.text_chars, args.kernels)
     rows = {}
     for preset, path in preset_files(args.presets, args.llama_python):
-        rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts, args.kernels, args.dtype)
+        rows[preset] = measure(path, args.llama_python, ids, not args.no_extra_bufts, args.kernels, args.dtype,
+                               args.quant_activations)
         print(preset, rows[preset], file=sys.stderr, flush=True)
     print("| preset | tensors | file | resident (-q gguf) | ppl Pagoda / llama.cpp | batch 1 | 32 concurrent |")
     print("|---|---|---|---|---|---|---|")

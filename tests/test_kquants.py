@@ -370,18 +370,18 @@ def test_int8_activations_round_each_segment_for_its_type() -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-def test_int8_activations_take_q8_0_and_q4_codes_as_their_blocks() -> None:
-    """INT8 and INT4 codes that are exactly Q8_0 or Q4_1 blocks (a GGUF's lone matrices) run as llama.cpp runs those
-    blocks, with Q8_0 activations."""
+def test_int8_activations_take_q8_0_codes_as_their_blocks() -> None:
+    """INT8 codes that are exactly Q8_0 blocks (a GGUF's lone matrices, its tied head's table) run as llama.cpp runs
+    those blocks, with Q8_0 activations; INT4 keeps its own int8-activation layout."""
     k = 128
-    for qtype in (T.Q8_0, T.Q4_1):
-        raw = random_blocks(qtype, 32, k, seed=50)
-        pw = kernel_layout(stored_weight(raw, int(qtype), k), torch.float32, "int8")
-        assert (pw.format, pw.gguf_driver) == ("gguf", "int8")
-        x = activations(3, k, seed=51)
-        x[0] = 0
-        torch.testing.assert_close(quant_linear(x, pw, None).double(), round_q8_0(x).double() @ reference(raw, qtype).double().T,
-                                   rtol=1e-4, atol=1e-4)
+    raw = random_blocks(T.Q8_0, 32, k, seed=50)
+    pw = kernel_layout(stored_weight(raw, int(T.Q8_0), k), torch.float32, "int8")
+    assert (pw.format, pw.gguf_driver) == ("gguf", "int8")
+    x = activations(3, k, seed=51)
+    want = round_q8_0(x).double() @ reference(raw, T.Q8_0).double().T
+    torch.testing.assert_close(quant_linear(x, pw, None).double(), want, rtol=1e-4, atol=1e-4)
+    q4 = kernel_layout(stored_weight(random_blocks(T.Q4_1, 32, k), int(T.Q4_1), k), torch.float32, "int8")
+    assert q4.format == "int4" and q4.gguf_driver == "float"
 
 
 def test_int8_activations_catch_a_wrong_sub_block_scale(monkeypatch: pytest.MonkeyPatch) -> None:

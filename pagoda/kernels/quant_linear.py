@@ -378,9 +378,8 @@ def _panel_byte_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, quant_activations: str = "float") -> PackedWeight:
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`. With `quant_activations="int8"`
     (KernelPolicy), GGUF blocks take vpanels read by the int8-activation driver (x rounded per block as llama.cpp's
-    vec_dot_type rounds it, integer dot products: cpu/gguf_a8_linear.cpp), and so do INT8 and INT4 codes that are
-    exactly Q8_0, Q4_0 or Q4_1 blocks (fp16 scales per 32), as llama.cpp runs them; other INT4 takes layout
-    interleave8 where the build has that kernel (AVX2, VNNI or Arm's dot products; K a multiple of 64; rows a multiple
+    vec_dot_type rounds it, integer dot products: cpu/gguf_a8_linear.cpp), and so do INT8 codes that are exactly
+    Q8_0 blocks (fp16 scales per 32), as llama.cpp runs them; INT4 takes layout interleave8 where the build has that kernel (AVX2, VNNI or Arm's dot products; K a multiple of 64; rows a multiple
     of 8), else rows_a8 (the row-major AVX2 kernel). Otherwise, with bf16 or fp32 activations, every format takes
     panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products, or fp32
     FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes). GGUF blocks take
@@ -392,8 +391,9 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, quant_activations: s
     if pw.layout != "rows" or pw.data.device.type != "cpu" or not kernel_available():
         return pw
     amx = act_dtype == torch.bfloat16 and torch.ops.pagoda.gguf_amx_available()
-    if pw.format != "gguf" and (quant_activations == "int8" or (act_dtype == torch.bfloat16 and amx)):
-        pw = pw._as_gguf()  # Q8_0, Q4_0 and Q4_1 codes (fp16 scales per 32) as their blocks
+    if (pw.format == "int8" and quant_activations == "int8") or (pw.format != "gguf" and quant_activations == "float"
+                                                                  and amx):
+        pw = pw._as_gguf()  # Q8_0 (and, on the tiles, Q4_0 and Q4_1) codes of fp16 scales per 32 as their blocks
     if pw.format == "gguf":
         width = vpanel_width()
         fits = all(rows % width == 0 for _, rows, _ in gguf_blocks.segments(pw.scales))

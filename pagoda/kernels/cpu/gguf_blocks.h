@@ -449,30 +449,8 @@ struct DotBlocks {
   }
   static __m512i row(const uint8_t* t, int r) { return _mm512_loadu_si512(t + 64 * r); }
 
-  // The codes of 4 k (kk .. kk + 3 within the super-block sb) of the half's 16 columns (h: the low or high nibbles),
-  // one a byte, byte 16 i + c for k kk + i, column c (before any table: a table's index). Not for whole bytes.
-  // No branch on h: GCC then keeps the tile's panels unrolled and its chains in registers.
-  static inline __m512i codes4(const uint8_t* sb, int64_t kk, int64_t h) {
-    // GF(2) affine maps of each byte onto its low nibble (h 0) or its high nibble shifted down (h 1): one
-    // instruction for the shift and the mask, whichever the half. Row 7 - b of the matrix gives bit b.
-    const __m512i nibble = _mm512_set1_epi64(h ? 0x1020408000000000LL : 0x0102040800000000LL);
-    __m512i z = _mm512_setzero_si512();
-    if constexpr (Lay::kLow > 0) z = _mm512_gf2p8affine_epi64_epi8(_mm512_loadu_si512(sb + kk * W), nibble, 0);
-    const uint8_t* fields = sb + Tr::kBlock * B::kLowBytes;
-    if constexpr (Tr::kHigh > 0) z = add_field<Tr::kHigh, Lay::kLow>(z, fields + kk * B::kHighBytes, h, kBits);
-    if constexpr (Lay::kTop > 0)
-      z = add_field<Lay::kTop, Lay::kLow + Tr::kHigh>(z, fields + Tr::kBlock * B::kHighBytes + kk * B::kTopBytes, h,
-                                                       kTopBits);
-    return z;
-  }
-  // Whole bytes' 4 k (kk .. kk + 3 within sb) of the half's 16 columns, as codes4 places them (signed bytes).
-  static inline __m512i bytes4(const uint8_t* sb, int64_t kk, int64_t h) {
-    auto row16 = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (kk + i) * P + 16 * h)); };
-    const __m512i z = _mm512_castsi128_si512(row16(0));
-    return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(z, row16(1), 1), row16(2), 2), row16(3), 3);
-  }
-
   // Block i of group g (k = g kGroup + 8i) of panel v: its codes, from the half's nibbles (h = v & 1: low or high).
+  // No branch on h: GCC then keeps the tile's panels unrolled and its chains in registers.
   inline void operands(int64_t v, int64_t g, int i, __m512bh (&op)[4]) const {
     const int64_t h = v & 1;
     const uint8_t* sb = block(v, g * Tr::kGroup) + B::kMeta;
@@ -489,10 +467,22 @@ struct DotBlocks {
       }
       return;
     }
+    // GF(2) affine maps of each byte onto its low nibble (h 0) or its high nibble shifted down (h 1): one
+    // instruction for the shift and the mask, whichever the half. Row 7 - b of the matrix gives bit b.
+    const __m512i nibble = _mm512_set1_epi64(h ? 0x1020408000000000LL : 0x0102040800000000LL);
     const __m512i c43 = _mm512_set1_epi8(0x43);
     const __m512i lanes_of = row(kLanes.data(), 0);
     for (int z4 = 0; z4 < 2; ++z4) {  // k 4 z4 .. 4 z4 + 3
-      const __m512i z = _mm512_permutexvar_epi8(lanes_of, codes4(sb, kk + 4 * z4, h));
+      __m512i z = _mm512_setzero_si512();
+      if constexpr (Lay::kLow > 0)
+        z = _mm512_gf2p8affine_epi64_epi8(_mm512_loadu_si512(sb + (kk + 4 * z4) * W), nibble, 0);
+      const uint8_t* fields = sb + Tr::kBlock * B::kLowBytes;
+      if constexpr (Tr::kHigh > 0)
+        z = add_field<Tr::kHigh, Lay::kLow>(z, fields + (kk + 4 * z4) * B::kHighBytes, h, kBits);
+      if constexpr (Lay::kTop > 0)
+        z = add_field<Lay::kTop, Lay::kLow + Tr::kHigh>(
+            z, fields + Tr::kBlock * B::kHighBytes + (kk + 4 * z4) * B::kTopBytes, h, kTopBits);
+      z = _mm512_permutexvar_epi8(lanes_of, z);
       if constexpr (Lay::kLookup) {  // the indices as words, then their values' bf16 words
         const __m512i words = _mm512_loadu_si512(kWords.data());
         op[2 * z4] = (__m512bh)_mm512_permutexvar_epi16(_mm512_unpacklo_epi8(z, _mm512_setzero_si512()), words);
