@@ -18,7 +18,7 @@ from pagoda.bench.quant_table import weight_bytes_by_format
 from pagoda.kernels import gguf_blocks
 from pagoda.kernels.linear_formats import LINEAR_FORMATS
 from pagoda.kernels.quant_linear import PackedWeight, kernel_layout, quant_linear
-from pagoda.quantization.gguf_native import stored_weight
+from pagoda.quantization.gguf_native import packed_from_blocks, stored_weight
 
 # Byte offsets of the fp16 fields (d, dmin) of the types gguf-py cannot quantize: random bytes there could be inf
 # or NaN.
@@ -304,9 +304,10 @@ def round_q8_k(x: torch.Tensor) -> torch.Tensor:
     -127, the rest to nearest integers (ties to even, capped at 127), times 1 / the block's scale."""
     b = x.reshape(-1, 256)
     top = b.gather(1, b.abs().argmax(dim=1, keepdim=True))
-    iscale = torch.where(top != 0, -127.0 / top, torch.zeros_like(top))
+    # Tensor over tensor: torch takes a scalar over a tensor as the reciprocal times the scalar, two roundings.
+    iscale = torch.where(top != 0, torch.full_like(top, -127.0) / top, torch.zeros_like(top))
     q = torch.clamp(torch.round(iscale * b), max=127)
-    return (q * torch.where(top != 0, 1.0 / iscale, torch.zeros_like(top))).reshape(x.shape)
+    return (q * torch.where(top != 0, torch.ones_like(top) / iscale, torch.zeros_like(top))).reshape(x.shape)
 
 
 def round_q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -314,7 +315,7 @@ def round_q8_0(x: torch.Tensor) -> torch.Tensor:
     stored as fp16."""
     b = x.reshape(-1, 32)
     amax = b.abs().amax(dim=1, keepdim=True)
-    q = torch.round(b * torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax)))
+    q = torch.round(b * torch.where(amax != 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax)))
     return (q * (amax / 127).half().float()).reshape(x.shape)
 
 
@@ -375,12 +376,14 @@ def test_int8_activations_take_q8_0_codes_as_their_blocks() -> None:
     those blocks, with Q8_0 activations; INT4 keeps its own int8-activation layout."""
     k = 128
     raw = random_blocks(T.Q8_0, 32, k, seed=50)
-    pw = kernel_layout(stored_weight(raw, int(T.Q8_0), k), torch.float32, "int8")
+    codes = packed_from_blocks(raw, int(T.Q8_0), k)
+    assert codes.format == "int8"
+    pw = kernel_layout(codes, torch.float32, "int8")
     assert (pw.format, pw.gguf_driver) == ("gguf", "int8")
     x = activations(3, k, seed=51)
     want = round_q8_0(x).double() @ reference(raw, T.Q8_0).double().T
     torch.testing.assert_close(quant_linear(x, pw, None).double(), want, rtol=1e-4, atol=1e-4)
-    q4 = kernel_layout(stored_weight(random_blocks(T.Q4_1, 32, k), int(T.Q4_1), k), torch.float32, "int8")
+    q4 = kernel_layout(packed_from_blocks(random_blocks(T.Q4_1, 32, k), int(T.Q4_1), k), torch.float32, "int8")
     assert q4.format == "int4" and q4.gguf_driver == "float"
 
 
@@ -452,35 +455,57 @@ def test_a_kquant_gguf_runs_as_stored_and_generates_what_its_float_copy_does(tmp
     assert got == want
 
 
-def test_a_kquant_gguf_runs_with_int8_activations_in_the_decoder_stack_as_layer_by_layer(tmp_path,
-                                                                                          default_gguf) -> None:
-    """quant_activations="int8": every GGUF linear takes the int8-activation driver, the decoder stack's format code
-    included (the same tokens and logprobs as layer by layer), and greedy decoding stays near the exact path's."""
+def test_a_kquant_gguf_runs_with_int8_activations_as_llama_cpp_rounds_them(tmp_path, default_gguf,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant_activations="int8": every GGUF linear takes the int8-activation driver (the decoder stack's format code
+    too: the same tokens and logprobs as layer by layer), and the model scores a prompt as the exact path does on
+    inputs rounded in torch as llama.cpp rounds them, per segment type."""
     from pagoda import LLM, SamplingParams
+    from pagoda.kernels import linear_kernel
     from pagoda.kernels.cpu_extension import build_isa
 
     path = str(_write_kquant_llama(tmp_path / "tiny-kquants.gguf"))
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    llm = LLM(path, tokenizer=default_gguf, quantization="gguf", dtype="float32", kv_cache_memory="16MiB",
-              quant_activations="int8")
+    kw = dict(tokenizer=default_gguf, quantization="gguf", dtype="float32", kv_cache_memory="16MiB")
+    llm = LLM(path, quant_activations="int8", **kw)
     model = llm.engine.runner.model
     layer = model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                    model.lm_head):
         assert linear.qweight.gguf_driver == "int8"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
-    def run() -> list:
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    def run(engine: LLM) -> list:
+        outs = engine.generate(PROMPTS, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
-    fused = run()
-    if model.stack is not None or build_isa().avx512:
+    if build_isa().avx512:
+        fused = run(llm)
         assert model.stack is not None
         model.stack = None
-        assert run() == fused
-    exact = LLM(path, tokenizer=default_gguf, quantization="gguf", dtype="float32", kv_cache_memory="16MiB")
-    want = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params, use_tqdm=False)]
-    assert [ids[:4] for ids, _ in fused] == [ids[:4] for ids in want]
+        assert run(llm) == fused
+
+    scored, long = SamplingParams(max_tokens=1, prompt_logprobs=0), [p for p in PROMPTS if len(p) > 1]
+
+    def prompt_logprobs(engine: LLM) -> torch.Tensor:
+        outs = engine.generate(long, scored, use_tqdm=False)
+        return torch.tensor([d[t].logprob for o in outs for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
+
+    got = prompt_logprobs(llm)
+    del llm
+    k_types = {int(t) for t in Q8_K_TYPES}
+    exact_linear = linear_kernel.quant_linear
+
+    def rounded(x, pw, bias=None, use_cpp=False):  # each segment's columns from x rounded for its type
+        cols, r0 = [], 0
+        for t, rows, _ in gguf_blocks.segments(pw.scales):
+            xr = (round_q8_k if t in k_types else round_q8_0)(x.float())
+            cols.append(exact_linear(xr, pw=pw, bias=bias, use_cpp=use_cpp)[..., r0:r0 + rows])
+            r0 += rows
+        return torch.cat(cols, -1)
+
+    monkeypatch.setattr(linear_kernel, "quant_linear", rounded)
+    monkeypatch.setattr(linear_kernel.LinearKernel, "stack_args", lambda self: None)  # layer by layer, through it
+    torch.testing.assert_close(got, prompt_logprobs(LLM(path, **kw)), rtol=0, atol=1e-4)
 
 
 def test_tensor_parallel_splits_whole_super_blocks() -> None:

@@ -443,7 +443,8 @@ def test_linear_formats_come_from_the_header_cpp_compiles():
 
     assert _read(_HEADER) == LINEAR_FORMATS and len(set(LINEAR_FORMATS.values())) == len(LINEAR_FORMATS)
     assert LINEAR_FORMATS["dense"] < 0 and LINEAR_FORMATS["panels"] < 0
-    assert sorted([*QUANT_CODES.values(), *GGUF_DRIVER_CODES.values()]) == sorted(c for c in LINEAR_FORMATS.values() if c >= 0)
+    codes = [*QUANT_CODES.values(), *GGUF_DRIVER_CODES.values()]
+    assert sorted(codes) == sorted(c for c in LINEAR_FORMATS.values() if c >= 0)
     kinds = [QUANT_CODES[f, "panels16"] - FIRST_PANEL_CODE for f in ("int4", "int8", "fp8")]
     assert kinds == [0, 1, 2]  # quant_panel_linear's kinds
     with pytest.raises(ValueError, match="interleave8"):

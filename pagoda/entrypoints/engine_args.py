@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from pagoda.kernels.policy import QUANT_ACTIVATIONS, KERNEL_TUNING, KERNELS
+from pagoda.kernels.policy import KERNEL_TUNING, KERNELS, QUANT_ACTIVATIONS
 
 
 def add_engine_args(p: argparse.ArgumentParser, decoding: bool = True) -> None:

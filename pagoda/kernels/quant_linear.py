@@ -379,8 +379,9 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, quant_activations: s
     """The layout the chosen CPU kernel takes, for activations of `act_dtype`. With `quant_activations="int8"`
     (KernelPolicy), GGUF blocks take vpanels read by the int8-activation driver (x rounded per block as llama.cpp's
     vec_dot_type rounds it, integer dot products: cpu/gguf_a8_linear.cpp), and so do INT8 codes that are exactly
-    Q8_0 blocks (fp16 scales per 32), as llama.cpp runs them; INT4 takes layout interleave8 where the build has that kernel (AVX2, VNNI or Arm's dot products; K a multiple of 64; rows a multiple
-    of 8), else rows_a8 (the row-major AVX2 kernel). Otherwise, with bf16 or fp32 activations, every format takes
+    Q8_0 blocks (fp16 scales per 32), as llama.cpp runs them; INT4 takes layout interleave8 where the build has that
+    kernel (AVX2, VNNI or Arm's dot products; K a multiple of 64; rows a multiple of 8), else rows_a8 (the row-major
+    AVX2 kernel). Otherwise, with bf16 or fp32 activations, every format takes
     panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products, or fp32
     FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes). GGUF blocks take
     vpanels, on AMX tiles with bf16 activations where the CPU has them; there INT8 and INT4 codes that are exactly
