@@ -16,6 +16,8 @@ them by row count.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -54,10 +56,18 @@ def panel_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return w.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
 
 
+@functools.cache
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN multiplies `dtype` on this CPU: fp32 wherever torch has it, bf16 only where the CPU
+    has bf16 instructions (AVX512-BF16, AMX or AVX-NE-CONVERT; elsewhere oneDNN has no bf16 kernel to create)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of a CPU fp32/bf16 weight [N, K], or None where oneDNN can't take it."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) \
-            or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or not onednn_runs(weight.dtype):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: the batch size it tunes for
@@ -78,8 +88,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, through oneDNN (onednn_linear) for CPU fp32/bf16 where torch has it: the torch fallback's matmul
     (a dequantized weight, a dense one without a prepacked copy)."""
-    if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype \
-            and x.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+    if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype and onednn_runs(x.dtype):
         return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

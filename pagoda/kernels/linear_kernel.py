@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.kernels.decoder_stack import LinearArgs
-from pagoda.kernels.linear import ANY_M, SMALL_M, linear, panel_pack, prepack, small_m_supported
+from pagoda.kernels.linear import ANY_M, SMALL_M, linear, onednn_runs, panel_pack, prepack, small_m_supported
 from pagoda.kernels.linear_formats import DENSE, PANELS
 from pagoda.kernels.policy import KernelPolicy
 from pagoda.kernels.quant_linear import PackedWeight, cpp_supported, kernel_layout, quant_linear, vpanel_width
@@ -87,7 +87,7 @@ def choose_linear_kernel(weight: torch.Tensor | None, qweight: PackedWeight | No
         return LinearKernel(DENSE, weight, None, bias, onednn=prepack(weight))  # oneDNN's layout: torch's own
     panels = panel_pack(weight)
     if panels is not None:
-        if policy.tuner is not None and torch.backends.mkldnn.is_available():
+        if policy.tuner is not None and onednn_runs(weight.dtype):
             shape = TuningShape(str(weight.dtype).removeprefix("torch."), *weight.shape, 0, act_dtype)
             return _tuned(policy.tuner, shape, {
                 "panels": lambda: LinearKernel(PANELS, weight, None, bias, panels=panels, stack_rows=ANY_M),
