@@ -140,17 +140,20 @@ void panel_rows(const Dots& dots, const pagoda_gguf::Blocks<Dots::kType>& blocks
   for (int r = 0; r < R; ++r) store_row(acc[r][0], acc[r][1], bias, y + (m0 + r) * ldy + p * P, p * P);
 }
 
+// Rows [0, M) of y for panel p of a segment, kA8Rows at a time.
 template <class Dots, typename O>
-void run(const Dots& dots, const pagoda_gguf::Blocks<Dots::kType>& blocks, const A8Rows& a, int64_t M,
-         int64_t rows, const float* bias, O* y, int64_t ldy) {
-  at::parallel_for(0, rows / P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += pagoda_gguf::kA8Rows)
-        dispatch_m(std::min<int64_t>(pagoda_gguf::kA8Rows, M - m0), [&](auto c) {
-          panel_rows<decltype(c)::value>(dots, blocks, a, m0, p, bias, y, ldy);
-        });
-  });
+void panel(const Dots& dots, const pagoda_gguf::Blocks<Dots::kType>& blocks, const A8Rows& a, int64_t M, int64_t p,
+           const float* bias, O* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += pagoda_gguf::kA8Rows)
+    dispatch_m(std::min<int64_t>(pagoda_gguf::kA8Rows, M - m0),
+               [&](auto c) { panel_rows<decltype(c)::value>(dots, blocks, a, m0, p, bias, y, ldy); });
 }
+
+// One segment as the parallel loop finds it.
+struct Segment {
+  int64_t type, row0, rows;
+  const uint8_t* w;
+};
 
 }  // namespace
 
@@ -163,31 +166,46 @@ at::Tensor gguf_a8_linear(const at::Tensor& x_in, const at::Tensor& data, const 
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "gguf_a8_linear: x float32 or bfloat16 [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  const int64_t N = table.size(0) ? table.select(1, 1).sum().item<int64_t>() : 0;
+  const int64_t N = pagoda_gguf::segment_rows(table);
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "gguf_a8_linear: bias fp32 [N]");
   const at::Tensor x = x_in.contiguous();
   auto y = at::empty({M, N}, x_in.options());
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  A8Rows by_block[2];  // x rounded per 32 and per 256, made once a segment needs it
+  // x rounded per 32 and per 256, as the segments' types need it; then every segment's panels in one parallel loop
+  // (a fused weight's segments each in its own would pay a fork and join apiece, a decode step's worth).
+  std::vector<Segment> segs;
+  A8Rows by_block[2];
   pagoda_gguf::for_segments(data, table, K, [&](const auto& blocks, int64_t row0, int64_t rows) {
-    using B = std::decay_t<decltype(blocks)>;
-    constexpr int64_t T = B::kType;
-    constexpr int64_t block = pagoda_gguf::act_block(T);
-    A8Rows& a = by_block[block == 256];
+    constexpr int64_t T = std::decay_t<decltype(blocks)>::kType;
+    segs.push_back({T, row0, rows, blocks.w});
+    A8Rows& a = by_block[pagoda_gguf::act_block(T) == 256];
     if (a.K == 0 && M > 0) {
-      if (x.scalar_type() == at::kFloat) a = quantize_rows(x.data_ptr<float>(), M, K, block);
-      else a = quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, block);
+      if (x.scalar_type() == at::kFloat) a = quantize_rows(x.data_ptr<float>(), M, K, pagoda_gguf::act_block(T));
+      else a = quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, pagoda_gguf::act_block(T));
     }
-    if (M == 0) return;
-    const float* b = bp ? bp + row0 : nullptr;
-    auto go = [&](const auto& dots) {
-      if (x.scalar_type() == at::kFloat) run(dots, blocks, a, M, rows, b, y.data_ptr<float>() + row0, N);
-      else run(dots, blocks, a, M, rows, b, y.data_ptr<c10::BFloat16>() + row0, N);
-    };
-    if (reference) go(pagoda_gguf::RefDots<T>(blocks.w, K));
-    else pagoda_gguf::with_dots<T>(blocks.w, K, go);
+  });
+  if (M == 0) return y;
+  at::parallel_for(0, N / P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t q = p0; q < p1; ++q) {
+      size_t i = 0;
+      while ((segs[i].row0 + segs[i].rows) / P <= q) ++i;
+      const Segment& seg = segs[i];
+      const int64_t p = q - seg.row0 / P;
+      pagoda_gguf::dispatch_type(seg.type, [&](auto c) {
+        constexpr int64_t T = decltype(c)::value;
+        const pagoda_gguf::Blocks<T> blocks(seg.w, K);
+        const A8Rows& a = by_block[pagoda_gguf::act_block(T) == 256];
+        const float* b = bp ? bp + seg.row0 : nullptr;
+        auto go = [&](const auto& dots) {
+          if (x.scalar_type() == at::kFloat) panel(dots, blocks, a, M, p, b, y.data_ptr<float>() + seg.row0, N);
+          else panel(dots, blocks, a, M, p, b, y.data_ptr<c10::BFloat16>() + seg.row0, N);
+        };
+        if (reference) go(pagoda_gguf::RefDots<T>(seg.w, K));
+        else pagoda_gguf::with_dots<T>(seg.w, K, go);
+      });
+    }
   });
   return y;
 }

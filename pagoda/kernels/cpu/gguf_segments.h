@@ -10,6 +10,17 @@
 
 namespace pagoda_gguf {
 
+// The output rows of a segment table int64 [S, 3] (below), summed on the host: an ATen reduction per call would
+// cost more than a decode step's small linears.
+inline int64_t segment_rows(const at::Tensor& table) {
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 3 && table.is_contiguous(),
+              "gguf panels: table int64 [segments, 3]");
+  const auto* t = table.data_ptr<int64_t>();
+  int64_t rows = 0;
+  for (int64_t s = 0; s < table.size(0); ++s) rows += t[3 * s + 1];
+  return rows;
+}
+
 // A GGUF weight's segments (gguf_blocks.h): table int64 [S, 3] of (GGML type, output rows, byte offset into data),
 // checked against the data's size; fn(Blocks<T>, first output row, rows) per segment.
 template <typename Fn>

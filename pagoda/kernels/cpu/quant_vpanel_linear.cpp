@@ -300,7 +300,7 @@ at::Tensor gguf_vpanel_linear(const at::Tensor& x_in, const at::Tensor& data, co
   TORCH_CHECK(!tiles || (bf16 && gguf_amx_available()),
               "gguf_vpanel_linear: AMX tiles take bf16 x, on a build and CPU with AMX-BF16");
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  const int64_t N = table.size(0) ? table.select(1, 1).sum().item<int64_t>() : 0;
+  const int64_t N = pagoda_gguf::segment_rows(table);
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "gguf_vpanel_linear: bias fp32 [N]");
