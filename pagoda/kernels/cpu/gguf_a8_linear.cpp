@@ -78,7 +78,8 @@ void round_q8_0(const float* x, int8_t* q, float* dx) {
 
 template <typename X>
 A8Rows quantize_rows(const X* x, int64_t M, int64_t K, int64_t block) {
-  A8Rows a{K, block, std::vector<int8_t>(M * K), std::vector<float>(M * K / block), std::vector<int32_t>(M * K / kSumSpan)};
+  A8Rows a{K, block, std::vector<int8_t>(M * K), std::vector<float>(M * K / block),
+           std::vector<int32_t>(M * K / kSumSpan)};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(K);
     for (int64_t m = m0; m < m1; ++m) {
