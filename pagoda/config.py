@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,9 @@ class CacheConfig:
         cap = int(min(avail * self.memory_fraction, self.max_default_bytes))
         return min(bytes_per_block * blocks_wanted, cap)
 
+
+# Engine arguments by their former names: still taken, with a DeprecationWarning.
+RENAMED_ARGUMENTS = {"int4_activations": "quant_activations"}
 
 SCHEDULING_POLICIES = ("priority", "fcfs")
 
@@ -292,6 +296,12 @@ class EngineConfig:
         top_keys = {"tokenizer", "dtype", "device", "seed", "quantization", "speculative_config",
                     "quantization_group_size", "kernels", "quant_activations", "kernel_tuning", "tensor_parallel_size",
                     "cpus", "threads"}
+        for old, new in RENAMED_ARGUMENTS.items():
+            if old in kw:
+                warnings.warn(f"engine argument {old!r} is now {new!r}", DeprecationWarning, stacklevel=3)
+                if new in kw:
+                    raise TypeError(f"engine arguments {old!r} and {new!r} name one setting: pass {new!r} only")
+                kw = {new if k == old else k: v for k, v in kw.items()}
         unknown = set(kw) - cache_keys - sched_keys - policy_keys - structured_keys - lora_keys - top_keys
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")

@@ -68,6 +68,16 @@ def test_unknown_engine_argument_is_a_type_error():
         LLM(max_num_seq=4)
 
 
+def test_a_renamed_engine_argument_still_works_with_a_warning():
+    from pagoda.config import EngineConfig
+
+    with pytest.warns(DeprecationWarning, match="quant_activations"):
+        config = EngineConfig.from_kwargs(int4_activations="int8")
+    assert config.quant_activations == "int8"
+    with pytest.raises(TypeError, match="one setting"), pytest.warns(DeprecationWarning):
+        EngineConfig.from_kwargs(int4_activations="int8", quant_activations="float")
+
+
 def test_cli_generate_prints_the_completion():
     r = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "generate", "The capital of France is",
                         "--max-tokens", "8", "--dtype", "float32", "--kv-cache-memory", "64MiB"],
