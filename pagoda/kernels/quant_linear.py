@@ -381,11 +381,11 @@ def kernel_layout(pw: PackedWeight, act_dtype: torch.dtype, quant_activations: s
     vec_dot_type rounds it, integer dot products: cpu/gguf_a8_linear.cpp), and so do INT8 codes that are exactly
     Q8_0 blocks (fp16 scales per 32), as llama.cpp runs them; INT4 takes layout interleave8 where the build has that
     kernel (AVX2, VNNI or Arm's dot products; K a multiple of 64; rows a multiple of 8), else rows_a8 (the row-major
-    AVX2 kernel). Otherwise, with bf16 or fp32 activations, every format takes
-    panels16 where the build has the panel kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products, or fp32
-    FMAs on the same operands (exact products and fp32 sums, as the row-major kernel computes). GGUF blocks take
-    vpanels, on AMX tiles with bf16 activations where the CPU has them; there INT8 and INT4 codes that are exactly
-    Q8_0, Q4_0 or Q4_1 blocks join them as those blocks."""
+    AVX2 kernel). Otherwise, with bf16 or fp32 activations, every format takes panels16 where the build has the panel
+    kernel (AVX512-BF16; rows a multiple of 16): bf16 dot products, or fp32 FMAs on the same operands (exact products
+    and fp32 sums, as the row-major kernel computes). GGUF blocks take vpanels, on AMX tiles with bf16 activations
+    where the CPU has them; there INT8 and INT4 codes that are exactly Q8_0, Q4_0 or Q4_1 blocks join them as those
+    blocks."""
     if quant_activations not in ("int8", "float"):
         raise ValueError(f"quant_activations must be 'float' or 'int8', not {quant_activations!r}")
     # Each layout's own predicate decides (a group of 16 takes the panels, not the row-major kernel).
@@ -444,9 +444,9 @@ def quant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None,
         # Returns x's dtype (fp32 accumulation, one rounding on output). Bias is fp32 (Linear.set_quantized).
         b = None if bias is None else bias.float().contiguous()
         if pw.format == "gguf":
-            if x.dtype in (torch.bfloat16, torch.float32) and pw.gguf_driver == "int8":
-                return torch.ops.pagoda.gguf_a8_linear(x.contiguous(), pw.data, pw.scales, b)
             if x.dtype in (torch.bfloat16, torch.float32):
+                if pw.gguf_driver == "int8":
+                    return torch.ops.pagoda.gguf_a8_linear(x.contiguous(), pw.data, pw.scales, b)
                 return torch.ops.pagoda.gguf_vpanel_linear(x.contiguous(), pw.data, pw.scales, b,
                                                            pw.amx and x.dtype == torch.bfloat16)
         elif pw.layout == "vpanels":
