@@ -105,33 +105,41 @@ inline void store_row(vf a, vf b, const float* bias, O* yr, int64_t col0) {
   for (int c = 0; c < P; ++c) yr[c] = static_cast<O>(out[c] + (bias ? bias[col0 + c] : 0.f));
 }
 
-inline vf lanes_of(const int32_t* p) {
+// W of a micro-kernel's integer sums less the carry's, exact, as fp32.
+inline vf lanes_of(const int32_t* p, vi carry) {
   vi v;
   std::memcpy(&v, p, sizeof(v));
-  return __builtin_convertvector(v, vf);
+  return __builtin_convertvector(v - carry, vf);
 }
 
-// Rows [m0, m0 + R) of y for panel p.
+// Rows [m0, m0 + R) of y for panel p. The group and activation block sizes are the type's constants, so that the
+// epilogue's indices take no division.
 template <int R, class Dots, typename O>
 void panel_rows(const Dots& dots, const pagoda_gguf::Blocks<Dots::kType>& blocks, const A8Rows& a, int64_t m0,
                 int64_t p, const float* bias, O* y, int64_t ldy) {
-  const int64_t K = a.K, gs = blocks.gs, spans = gs / kSumSpan;
-  const bool offsets = blocks.has_offsets();
+  constexpr int64_t gs = pagoda_gguf::Traits<Dots::kType>::kGroup, block = pagoda_gguf::act_block(Dots::kType);
+  constexpr int64_t spans = gs / kSumSpan;
+  const int64_t K = a.K;
+  const int32_t* sums[R];
+  const float* dxs[R];
+  for (int r = 0; r < R; ++r) {
+    sums[r] = a.sums.data() + (m0 + r) * (K / kSumSpan);
+    dxs[r] = a.dx.data() + (m0 + r) * (K / block);
+  }
   vf acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf{};
   alignas(64) int32_t out[R][P];
-  for (int64_t g = 0; g < blocks.G; ++g) {
+  for (int64_t g = 0; g < K / gs; ++g) {
     dots.template dots<R>(p, g, a.q.data() + m0 * K + g * gs, K, out);
     const auto grp = blocks.group(p, g);
     for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
       int32_t sum_q = 0;
-      for (int64_t s = 0; s < spans; ++s) sum_q += a.sums[m * (K / kSumSpan) + g * spans + s];
-      const float dx = a.dx[m * (K / a.block) + g * gs / a.block];
-      for (int c = 0; c < P; ++c) out[r][c] -= Dots::kCarry * sum_q;
-      acc[r][0] = vfma(lanes_of(out[r]), grp.s0 * dx, acc[r][0]);
-      acc[r][1] = vfma(lanes_of(out[r] + W), grp.s1 * dx, acc[r][1]);
-      if (offsets) {
+      for (int64_t s = 0; s < spans; ++s) sum_q += sums[r][g * spans + s];
+      const float dx = dxs[r][g * gs / block];
+      const vi carry = vi{} + Dots::kCarry * sum_q;
+      acc[r][0] = vfma(lanes_of(out[r], carry), grp.s0 * dx, acc[r][0]);
+      acc[r][1] = vfma(lanes_of(out[r] + W, carry), grp.s1 * dx, acc[r][1]);
+      if (blocks.has_offsets()) {
         const vf xs = vsplat(dx * static_cast<float>(sum_q));
         acc[r][0] = vfma(grp.o0, xs, acc[r][0]);
         acc[r][1] = vfma(grp.o1, xs, acc[r][1]);
