@@ -222,13 +222,17 @@ struct Avx2Dots {
     }
   }
 
+  // How far ahead (in k) the weights are prefetched: a memory latency's worth of this row count's work.
+  template <int R>
+  static constexpr int64_t kAhead = R <= 2 ? 256 : 64;
+
   template <int R>
   inline void dots(int64_t p, int64_t g, const int8_t* x, int64_t ldx, int32_t (*out)[P]) const {
     const uint8_t* sb = b.w + (p * b.nsb + g / B::kGroups) * B::kBytes + B::kMeta;
     const int64_t kk0 = g % B::kGroups * Tr::kGroup;
-    // Blocks::prefetch's distance, every line of the group's share of the panel.
+    // Every line of the group's share of the panel, kAhead k ahead.
     constexpr int64_t kGroupBytes = (Tr::kGroup * B::kBytes + Tr::kBlock - 1) / Tr::kBlock;
-    const uint8_t* ahead = b.w + p * b.nsb * B::kBytes + (g * Tr::kGroup + 64) * B::kBytes / Tr::kBlock;
+    const uint8_t* ahead = b.w + p * b.nsb * B::kBytes + (g * Tr::kGroup + kAhead<R>) * B::kBytes / Tr::kBlock;
     for (int64_t o = 0; o < kGroupBytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
     if constexpr (R <= 2) {  // decode inside the rows' loop: codes, sums and x all in registers
       rows<R>([&](int i) { return step(sb, kk0 + 4 * i); }, x, ldx, out);
