@@ -1,6 +1,10 @@
 """EAGLE-3 against no speculation on open chat: `python -m benchmarks.eagle corpus FILE` writes the training
 prompts, `python -m benchmarks.eagle run --head DIR` measures.
 
+`python -m benchmarks.eagle untrained DIR` writes a head as train-eagle starts one (random layer, the target's
+LM head rows), which accepts almost nothing: `run` over it measures what a bad head costs, the case the adaptive
+controller must keep at no speculation's speed.
+
 Prompts are open questions (templates x topics, with the chat template); the training prompts and the
 measured ones share no topic. `run` answers the held-out prompts greedily (up to --output-len tokens, stopping
 at end of turn as a chat would) with the same engine settings with and without the head:
@@ -119,11 +123,32 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r[-1] for r in rows) else 1
 
 
+def untrained(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagoda import LLM
+    from pagoda.spec_decode.eagle3_head import Eagle3Config, save_head
+    from pagoda.spec_decode.eagle3_train import new_head
+
+    runner = LLM(args.model, dtype="float32", kv_cache_memory="64MiB").engine.runner
+    vocab, draft = runner.args.vocab_size, args.draft_vocab_size
+    g = torch.Generator().manual_seed(0)
+    d2t = torch.randperm(vocab, generator=g)[:draft].sort().values - torch.arange(draft)
+    head = new_head(runner, Eagle3Config.for_target(runner.args, draft), d2t, seed=0)
+    save_head(args.folder, head.config, head.tensors(vocab))
+    print(f"an untrained EAGLE-3 head in {args.folder}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("corpus", help="write the training prompts, one per line")
     c.add_argument("file")
+    u = sub.add_parser("untrained", help="write an untrained head (what a bad head costs)")
+    u.add_argument("folder")
+    u.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    u.add_argument("--draft-vocab-size", type=int, default=8192)
     r = sub.add_parser("run", help="measure a head against no speculation")
     r.add_argument("--head", required=True, help="the EAGLE-3 head folder (pagoda train-eagle --output)")
     r.add_argument("--model", default=None, help="the target (default: the embedded model)")
@@ -138,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.file, "w") as f:
             f.write("\n".join(prompts("train")) + "\n")
         return 0
-    return run(args)
+    return untrained(args) if args.cmd == "untrained" else run(args)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ using pagoda_simd::W;
 
 constexpr int kSumSpan = 16;  // the int8 values' sums are kept per 16 columns: the smallest weight group
 
-// x [M, K] rounded per block of `block` (256: Q8_K, 32: Q8_0): q int8 [M, K], dx fp32 [M, K / block], sums int32
-// [M, K / 16].
+// x [M, K] rounded per block of a type's act_block (256: Q8_K, 32: Q8_0): q int8 [M, K], dx fp32 [M, K / block],
+// sums int32 [M, K / 16].
 struct A8Rows {
-  int64_t K = 0, block = 0;
+  int64_t K = 0;
   std::vector<int8_t> q;
   std::vector<float> dx;
   std::vector<int32_t> sums;
@@ -78,7 +78,7 @@ void round_q8_0(const float* x, int8_t* q, float* dx) {
 
 template <typename X>
 A8Rows quantize_rows(const X* x, int64_t M, int64_t K, int64_t block) {
-  A8Rows a{K, block, std::vector<int8_t>(M * K), std::vector<float>(M * K / block),
+  A8Rows a{K, std::vector<int8_t>(M * K), std::vector<float>(M * K / block),
            std::vector<int32_t>(M * K / kSumSpan)};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(K);
