@@ -1,9 +1,9 @@
 """EAGLE-3 against no speculation on open chat: `python -m benchmarks.eagle corpus FILE` writes the training
 prompts, `python -m benchmarks.eagle run --head DIR` measures.
 
-`python -m benchmarks.eagle untrained DIR` writes a head as train-eagle starts one (random layer, the target's
-LM head rows), which accepts almost nothing: `run` over it measures what a bad head costs, the case the adaptive
-controller must keep at no speculation's speed.
+`python -m benchmarks.eagle untrained DIR` writes a head with train-eagle's initial weights (a random layer, the
+target's LM-head rows) over a random draft vocabulary, which accepts almost nothing: `run` over it measures what
+a bad head costs, the case the adaptive controller must keep at no speculation's speed.
 
 Prompts are open questions (templates x topics, with the chat template); the training prompts and the
 measured ones share no topic. `run` answers the held-out prompts greedily (up to --output-len tokens, stopping
