@@ -57,9 +57,11 @@ Clients = OrderedDict[str, OrderedDict[str, deque[Sequence]]]
 
 class WaitingQueue:
     """Waiting sequences, per rank, within a rank per client, and within a client per request, in arrival
-    order. `fairest` is, among the lowest rank waiting, the head of the request with the fewest seats of the
-    client with the fewest seats (ties: the earlier); a preempted sequence goes back to the head of its
-    request's queue. Iteration is in (rank, client, request, position) order."""
+    order (`Sequence.arrival_order`). `fairest` is, among the lowest rank waiting, the head of the request with
+    the fewest seats of the client with the fewest seats (ties: the one waiting longest). A preempted sequence
+    goes back to its place by age, ahead of everything younger: were it put at the very head, each later
+    preemption would push the earlier ones back, and under steady pressure the oldest would wait for ever.
+    Iteration is in (rank, client, request, position) order."""
 
     def __init__(self, rank: Callable[[Sequence], int] = lambda seq: 0) -> None:
         self.rank = rank
@@ -89,10 +91,18 @@ class WaitingQueue:
         self._requests(seq).setdefault(seq.request.request_id, deque()).append(seq)
         self._len += 1
 
-    def appendleft(self, seq: Sequence) -> None:
+    def put_back(self, seq: Sequence) -> None:
+        """Return a sequence that left the queue (preempted, or not admitted this step) to its place by age."""
         requests = self._requests(seq)
-        requests.setdefault(seq.request.request_id, deque()).appendleft(seq)
-        requests.move_to_end(seq.request.request_id, last=False)
+        rid = seq.request.request_id
+        seqs = requests.get(rid)
+        if seqs is None:
+            requests[rid] = seqs = deque()
+            # Requests stay in arrival order: those younger than this one go back behind it.
+            for other in [r for r, q in requests.items() if q and q[0].arrival_order > seq.arrival_order]:
+                requests.move_to_end(other)
+        i = next((i for i, s in enumerate(seqs) if s.arrival_order > seq.arrival_order), len(seqs))
+        seqs.insert(i, seq)
         self._len += 1
 
     def remove(self, seq: Sequence) -> None:
@@ -112,9 +122,9 @@ class WaitingQueue:
         if not self._levels:
             return None
         clients = self._levels[min(self._levels)]
-        client = min(clients, key=lambda c: seats.by_client[c])  # min keeps the first of equals
+        client = min(clients, key=lambda c: (seats.by_client[c], next(iter(clients[c].values()))[0].arrival_order))
         requests = clients[client]
-        return requests[min(requests, key=lambda r: seats.by_request[r])][0]
+        return requests[min(requests, key=lambda r: seats.by_request[r])][0]  # min keeps the oldest of equals
 
     def _requests(self, seq: Sequence) -> OrderedDict[str, deque[Sequence]]:
         clients = self._levels.setdefault(self.rank(seq), OrderedDict())

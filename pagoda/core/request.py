@@ -63,6 +63,12 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def arrival_order(self) -> tuple[int, int]:
+        """Its place in arrival order, smaller first: its request's first sequence, then its sample index. Fixed
+        for life, so a sequence preempted and readmitted keeps its age."""
+        return self.request.seqs[0].seq_id, self.index
+
 
 
 @dataclass(eq=False)

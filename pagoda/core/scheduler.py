@@ -3,19 +3,22 @@
 Every running sequence is scheduled for the tokens it still needs (num_tokens - num_computed_tokens, plus
 any speculative proposals to verify), within a per-step token budget and a sequence cap. A decode needs one
 token; a prompt gets a chunk. That yields chunked prefill and mixed prefill/decode steps, as in vLLM v1. When
-the pool runs dry, the newest running sequence (of the highest rank, below) is preempted (KV dropped, recomputed later).
+the pool runs dry, the youngest running sequence (of the highest rank, below) is preempted (KV dropped, recomputed
+later). A sequence keeps its age (`Sequence.arrival_order`) through preemption: it goes back to the waiting queue
+ahead of everything younger, rejoins `running` in its place, and younger newcomers never take the blocks it waits
+for, so under steady pressure the oldest sequence always progresses and none starves.
 
 Fairness (core/fairness.py): the budget goes to decodes first, then to prompts, those under way and new ones
 together, shortest remaining first: a short prompt gets its first token within a step or two however long
 the prompts around it are, and a burst of prompts finishes them one after another rather than all at once.
 Seats go to the client holding fewest (then, within a client, the request): while someone waits and the
-seats are full, a client or request holding two more seats than the waiter yields its newest one. One client,
+seats are full, a client or request holding two more seats than the waiter yields its youngest one. One client,
 or one request's `n`, can hold every seat only while nobody else wants one.
 
 Priority (`--scheduling-policy priority`, vLLM's rule): a sequence's rank is its request's priority, lower
 first (under fcfs every rank is 0 and nothing below changes). Ranks stand above everything else: the waiting
 queue serves the lowest rank first, `running` is kept in rank order so decodes are served and victims taken
-from its end (the newest of the highest rank), and a waiter of a lower rank than the last running sequence
+from its end (the youngest of the highest rank), and a waiter of a lower rank than the last running sequence
 takes its seat, and its blocks, when either is short. A step that computes a prompt computes nothing of a
 higher rank beside it: a request's first token never waits on lower priorities' steps.
 """
@@ -56,7 +59,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting = WaitingQueue(self.rank)
-        self.running: list[Sequence] = []  # in rank order, then in order of admission
+        self.running: list[Sequence] = []  # in rank order, then in arrival order
         self.num_preemptions = 0
 
     def rank(self, seq: Sequence) -> int:
@@ -73,8 +76,10 @@ class Scheduler:
         self._run(seq)
 
     def _run(self, seq: Sequence) -> None:
-        """Join `running` behind every sequence of its rank or lower."""
-        self.running.insert(bisect.bisect_right(self.running, self.rank(seq), key=self.rank), seq)
+        """Join `running` in its place: behind every sequence of a lower rank or of its rank and older. A
+        readmitted sequence keeps its age, so preemption takes the youngest and never the same old one again."""
+        key = lambda s: (self.rank(s), s.arrival_order)  # noqa: E731
+        self.running.insert(bisect.bisect_right(self.running, key(seq), key=key), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -105,7 +110,7 @@ class Scheduler:
                 continue
             # Victims come from the end: never a sequence already scheduled or set aside above.
             if not self._allocate_or_preempt(seq, num_new, out, seats):
-                break  # seq itself was preempted: it was the newest, nothing after it
+                break  # seq itself was preempted: it was the youngest, nothing after it
             out.add(seq, num_new)
             budget -= num_new
             i += 1
@@ -138,16 +143,23 @@ class Scheduler:
             elif seq.status is SeqStatus.PREEMPTED and seq in prefilling:
                 continue  # preempted just now, for another's blocks
             else:
-                if not admitting or not self._admit(seq, budget):
+                if not admitting:
+                    continue
+                # Blocks are kept for the fairer newcomers not admitted yet (drawn before it): a long recomputation
+                # would otherwise lose them to short prompts step after step, and wait for ever.
+                reserve = sum(self._first_chunk_blocks(s) for s in newcomers[:newcomers.index(seq)])
+                if self.kv.pool.num_free - self._first_chunk_blocks(seq) < reserve:
+                    continue
+                if not self._admit(seq, budget):
                     admitting = False  # out of blocks: the rest wait for the next step, in their order
                     continue
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 newcomers.remove(seq)
             out.add(seq, num_new)
             budget -= num_new
-        for seq in reversed(newcomers):  # not admitted this step: back to the head of their queues
+        for seq in newcomers:  # not admitted this step: back to their places in the queue
             seats.give(seq)
-            self.waiting.appendleft(seq)
+            self.waiting.put_back(seq)
         out.block_copies = self.kv.take_copies()
         return out
 
@@ -171,10 +183,10 @@ class Scheduler:
         return True
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput, seats: Seats) -> bool:
-        """Slots for `num_new` tokens of `seq`, preempting the newest running sequences until they fit;
+        """Slots for `num_new` tokens of `seq`, preempting the youngest running sequences until they fit;
         False where `seq` itself had to go."""
         while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new):
-            victim = self.running.pop()  # the newest
+            victim = self.running.pop()  # the youngest
             seats.give(victim)
             self._preempt(victim)
             out.preempted.append(victim)
@@ -184,9 +196,9 @@ class Scheduler:
 
     def _yield_seats(self, seats: Seats, out: SchedulerOutput) -> None:
         """Seats (and blocks) handed to the fairest waiter, one sequence per round, back to waiting (its KV is
-        recomputed, from the prefix cache where it can): the newest running sequence of a higher rank than the
+        recomputed, from the prefix cache where it can): the youngest running sequence of a higher rank than the
         waiter's when the seats are full or the pool cannot hold the waiter's first chunk; else, with the
-        seats full, the newest of the group holding two more seats than the waiter's, in the waiter's rank,
+        seats full, the youngest of the group holding two more seats than the waiter's, in the waiter's rank,
         so the gap narrows and never swings back."""
         full = lambda: len(self.running) >= self.config.max_num_seqs  # noqa: E731
         while self.running and (waiter := self.waiting.fairest(seats)) is not None:
@@ -220,10 +232,13 @@ class Scheduler:
             ranks.append(self.rank(waiter))
         return min(ranks, default=float("inf"))
 
+    def _first_chunk_blocks(self, seq: Sequence) -> int:
+        """Blocks a waiting sequence's first chunk takes (cached prefix blocks not counted)."""
+        return self.kv.blocks_needed(min(seq.num_tokens - seq.num_computed_tokens, self.config.max_num_batched_tokens))
+
     def _fits(self, seq: Sequence) -> bool:
-        """Whether the free blocks hold `seq`'s first chunk (cached prefix blocks not counted)."""
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, self.config.max_num_batched_tokens)
-        return self.kv.pool.num_free >= self.kv.blocks_needed(num_new)
+        """Whether the free blocks hold `seq`'s first chunk."""
+        return self.kv.pool.num_free >= self._first_chunk_blocks(seq)
 
     def _acquire_cached_prefix(self, seq: Sequence) -> int:
         """Reuse cached KV for a sequence that has none yet (new, or preempted and recomputing)."""
@@ -243,7 +258,7 @@ class Scheduler:
         seq.status = SeqStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.put_back(seq)
 
     def update_draft_token_ids(self, drafts: Mapping[Sequence, list[int]]) -> None:
         """The speculator's proposals for the next step (vLLM v1's update_draft_token_ids): schedule() counts them in

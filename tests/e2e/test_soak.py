@@ -93,14 +93,19 @@ def test_disconnect_soak_loses_nothing_and_leaks_no_block(server: ServerProcess)
         async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
             async def bounded(i: int) -> str:
                 async with sem:
+                    start = time.monotonic()
                     try:
-                        return await _one(http, i, random.Random(rng.random()))
+                        outcome = await _one(http, i, random.Random(rng.random()))
                     except httpx.TimeoutException:
                         return "hung"
+                    if outcome == "ok":
+                        latencies.append(time.monotonic() - start)
+                    return outcome
             outcomes = await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(NUM_REQUESTS))),
                                               SOAK_TIMEOUT_S)
         return Counter(outcomes)
 
+    latencies: list[float] = []
     t0 = time.monotonic()
     outcomes = asyncio.run(main())
     elapsed = time.monotonic() - t0
@@ -120,4 +125,5 @@ def test_disconnect_soak_loses_nothing_and_leaks_no_block(server: ServerProcess)
     assert preemptions > 0, "the soak is meant to run through preemption"
     assert httpx.get(f"{server.url}/health").status_code == 200
     print(f"\nsoak: {NUM_REQUESTS} requests in {elapsed:.0f} s at concurrency {CONCURRENCY}: {outcomes['ok']} ok, "
-          f"{outcomes['vanished']} vanished, 0 lost, 0 hung; {preemptions:.0f} preemptions; KV usage back to 0")
+          f"{outcomes['vanished']} vanished, 0 lost, 0 hung; slowest request {max(latencies):.1f} s, median "
+          f"{sorted(latencies)[len(latencies) // 2]:.1f} s; {preemptions:.0f} preemptions; KV usage back to 0")
