@@ -137,6 +137,9 @@ class SpeculativeConfig:
                                                # eagle3: a head folder (spec_decode/eagle3_head.py)
     num_draft_layers: int | None = None        # self: the early-exit depth L
     adaptive: bool = True                      # pick k per request from measured acceptance and step cost
+    # eagle3: draft a tree for greedy requests, the head's top `draft_tree_width` first tokens each followed by
+    # its own chain (k deep, width x k proposals in all, core/draft_tree.py); 1: a chain
+    draft_tree_width: int = 1
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -157,7 +160,8 @@ class SpeculativeConfig:
         method = self.method
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method: {method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}")
-        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers"):
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers",
+                    "draft_tree_width"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"speculative_config.{key} must be a positive integer, got {v!r}")
@@ -174,6 +178,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_draft_layers is required for method 'self'")
         if method != "self" and self.num_draft_layers is not None:
             raise ValueError(f"speculative_config.num_draft_layers applies to method 'self', not {method!r}")
+        if self.draft_tree_width > 1 and method != "eagle3":
+            raise ValueError(f"speculative_config.draft_tree_width applies to method 'eagle3', not {method!r}")
+        if self.draft_tree_width * self.num_speculative_tokens > 63:  # core/draft_tree.MAX_TREE_NODES
+            raise ValueError("speculative_config: draft_tree_width x num_speculative_tokens must be at most 63")
         if not isinstance(self.adaptive, bool):
             raise ValueError("speculative_config.adaptive must be true or false")
 

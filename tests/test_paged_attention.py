@@ -295,3 +295,56 @@ def test_attention_bench_builds_another_source(capsys):
     assert main(["--num-seqs", "4", "--layers", "2", "--rounds", "1", "--compare-source", str(src)]) == 0
     diff = float(re.search(r"outputs differ by <= (\S+)\)", capsys.readouterr().out).group(1))
     assert diff < 1e-2
+
+
+def _tree_words(parents: list[int], seq_len: int) -> list[int]:
+    """Tree-mask words (pa.AttentionMetadata.tree_mask) for a tree of len(parents) nodes at the end of a sequence
+    of seq_len keys, node i's parent at parents[i] (-1: none, the root); every key before the tree visible."""
+    n = len(parents)
+    base = seq_len - pa.TREE_SPAN  # the key bit 0 covers
+    words = []
+    for i in range(n):
+        bits, j = 0, i
+        while j >= 0:
+            bits |= 1 << (seq_len - n + j - base)
+            j = parents[j]
+        for key in range(max(0, base), seq_len - n):  # the context
+            bits |= 1 << (key - base)
+        words.append(bits - (1 << 64) if bits >= 1 << 63 else bits)  # as int64
+    return words
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_mask_matches_dense_attention_over_each_nodes_path(kernel, dtype):
+    """A draft tree verified in one pass: each node attends to the context and its own ancestors only, exactly
+    as dense attention over that path would; rows without a tree beside it stay causal."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    trees = [[-1, 0, 0, 0, 1, 1, 2, 4, 4, 6], [-1, 0, 1, 2], [-1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    ctx = [40, 3, 70]  # context keys before each tree (a tree root is the sequence's last token)
+    specs = [(len(t), c + len(t)) for t, c in zip(trees, ctx)] + [(17, 50), (1, 37)]
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, hq, hkv, d, bs, dtype, seed=3)
+    words = [w for t, (_, s) in zip(trees, specs) for w in _tree_words(t, s)] + [-1] * (17 + 1)
+    mask = torch.tensor(words, dtype=torch.int64)
+    scale = d ** -0.5
+    attend = (lambda *a: torch.ops.pagoda.paged_attention(*a, None, None, 0, 0.0, mask)) if kernel else \
+        (lambda *a: pa.paged_attention_reference(*a, tree_mask=mask))
+    got = attend(q, kc, vc, bt, qsl, sl, scale).float()
+    causal = dense_sdpa(q, dk, dv, qsl, scale).float()
+    g = hq // hkv
+    for b, (t, c) in enumerate(zip(trees, ctx)):
+        for i in range(len(t)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, c + j)
+                j = t[j]
+            keys = list(range(c)) + path
+            k = dk[b][keys].float().repeat_interleave(g, dim=1)  # [n, Hq, D]
+            v = dv[b][keys].float().repeat_interleave(g, dim=1)
+            row = int(qsl[b]) + i
+            probs = torch.einsum("hd,nhd->hn", q[row].float() * scale, k).softmax(-1)
+            want = torch.einsum("hn,nhd->hd", probs, v)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got[row], want, atol=tol, rtol=tol)
+    rest = int(qsl[len(trees)])
+    torch.testing.assert_close(got[rest:], causal[rest:], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)

@@ -66,7 +66,10 @@ def _spec_llm(tiny_llama: str, default_gguf: str, cfg: dict) -> LLM:
     {"method": "draft_model", "num_speculative_tokens": 2, "model": "TINY1", "adaptive": False},
     {"method": "eagle3", "num_speculative_tokens": 3, "model": "EAGLE3", "adaptive": False},
     {"method": "eagle3", "num_speculative_tokens": 4, "model": "EAGLE3"},
-], ids=["ngram", "ngram-adaptive", "self", "draft-is-target", "draft-1-layer", "eagle3", "eagle3-adaptive"])
+    {"method": "eagle3", "num_speculative_tokens": 3, "model": "EAGLE3", "adaptive": False, "draft_tree_width": 4},
+    {"method": "eagle3", "num_speculative_tokens": 4, "model": "EAGLE3", "draft_tree_width": 3},
+], ids=["ngram", "ngram-adaptive", "self", "draft-is-target", "draft-1-layer", "eagle3", "eagle3-adaptive",
+        "eagle3-tree", "eagle3-tree-adaptive"])
 def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32, default_gguf, reference,
                                                                    tiny_draft_1layer, tiny_eagle3):
     tiny_llama = tiny_v32
@@ -81,6 +84,9 @@ def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32
     llm = _spec_llm(tiny_llama, default_gguf, cfg)
     engine = llm.engine
     assert engine.kv.pool.num_blocks == 32
+    moved: list[tuple[int, int]] = []  # a draft tree's accepted nodes' KV moves (engine._settle_trees)
+    move_slots = engine.runner.move_slots
+    engine.runner.move_slots = lambda moves: (moved.extend(moves), move_slots(moves))
     outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outs] == ref_tokens
     assert engine.kv.stats.hits > 0  # the two prompts with a shared 20-token prefix
@@ -96,6 +102,8 @@ def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
     if cfg.get("adaptive") is False:
         assert stats.num_draft_tokens > 0, "nothing was drafted"
+    if cfg.get("draft_tree_width", 1) > 1 and cfg.get("adaptive") is False:
+        assert moved, "no branch but the first was ever accepted: the trees' KV moves went untested"
     # Logprobs of emitted tokens are the target's, as without speculation (up to batch-shape rounding).
     for got, want in zip(outs[5].outputs[0].logprobs, ref_logprobs):
         assert got.keys() == want.keys()
@@ -151,6 +159,8 @@ def test_speculation_counts_in_the_token_budget(tiny_v32, default_gguf, monkeypa
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "self", "num_speculative_tokens": 2}, "num_draft_layers"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_draft_layers": 1}, "num_draft_layers"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tree_width": 2}, "draft_tree_width"),
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 16, "draft_tree_width": 4}, "draft_tree_width"),
 ])
 def test_bad_speculative_config_names_the_key(cfg, key):
     with pytest.raises(ValueError, match=key):

@@ -45,6 +45,7 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0      # prompt tokens served from the prefix cache at last admission
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify this step (speculative decoding)
+    spec_parents: list[int] = field(default_factory=list)    # their tree (core/draft_tree.py); empty: a chain
     matcher: "Matcher | None" = None  # its grammar's state, for a structured-output request
 
     @property

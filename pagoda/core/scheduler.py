@@ -105,6 +105,7 @@ class Scheduler:
             # Proposals to verify count like tokens (vLLM v1's num_tokens_with_spec); the budget may trim them.
             num_new = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             del seq.spec_token_ids[max(0, seq.num_computed_tokens + num_new - seq.num_tokens):]
+            del seq.spec_parents[len(seq.spec_token_ids):]  # a tree cut in flat order is still a tree
             if num_new <= 0:  # nothing to do (should not happen: finished seqs leave at once)
                 i += 1
                 continue
@@ -255,16 +256,20 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.spec_token_ids.clear()
+        seq.spec_parents.clear()
         seq.status = SeqStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.put_back(seq)
 
-    def update_draft_token_ids(self, drafts: Mapping[Sequence, list[int]]) -> None:
-        """The speculator's proposals for the next step (vLLM v1's update_draft_token_ids): schedule() counts them in
-        its token budget, trims what does not fit and allocates their slots; update() clears them."""
+    def update_draft_token_ids(self, drafts: Mapping[Sequence, list[int]],
+                               trees: Mapping[Sequence, list[int]] | None = None) -> None:
+        """The speculator's proposals for the next step (vLLM v1's update_draft_token_ids), and the parents of
+        those that form a tree (core/draft_tree.py): schedule() counts them in its token budget, trims what does
+        not fit and allocates their slots; update() clears them."""
         for seq in self.running:
             seq.spec_token_ids = list(drafts.get(seq, ()))
+            seq.spec_parents = list(trees.get(seq, ())) if trees else []
 
     def queued_prompt_tokens(self) -> int:
         """Tokens of prompts (or recomputations) not computed yet: the waiting sequences' and those under way."""
@@ -283,7 +288,7 @@ class Scheduler:
                 continue
             rejected = num_rejected.get(row)
             seq.num_computed_tokens += n - (rejected or 0)
-            seq.spec_token_ids = []
+            seq.spec_token_ids, seq.spec_parents = [], []
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.request.cache_salt,
                                          seq.request.lora_key)
             self.kv.trim(seq.seq_id, seq.num_computed_tokens)

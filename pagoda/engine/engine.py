@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from pagoda.config import EngineConfig, resolve_dtype
+from pagoda.core import draft_tree
 from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, Sequence
@@ -382,14 +383,37 @@ class LLMEngine:
         # What a verified row scheduled but did not append (rejected proposals, or tokens after a stop) has no valid
         # KV: the scheduler rolls it back.
         rejected = {r: sched.num_scheduled[r] - appended.get(sched.seqs[r], 0) for r in out.spec_logits}
+        tree_paths = self._settle_trees(verified, appended)
         self.scheduler.update(sched, rejected)
         if self.speculator is not None:  # the next step's proposals, drafted from this step's outcome
-            step = StepResult(sched, rejected, verified, appended, out.aux_hidden, t_fwd, time.perf_counter() - t_step)
+            step = StepResult(sched, rejected, verified, appended, out.aux_hidden, t_fwd, time.perf_counter() - t_step,
+                              tree_paths)
             self.scheduler.update_draft_token_ids(
-                self.speculator.propose(step, self.scheduler.running, self.scheduler.queued_prompt_tokens()))
+                *self.speculator.propose(step, self.scheduler.running, self.scheduler.queued_prompt_tokens()))
         results = self._outputs(touched)
         self.stats.add_step(sched.total_tokens, sum(appended.values()), time.perf_counter() - t_step, t_fwd)
         return results
+
+    def _settle_trees(self, verified: Verified | None, appended: dict[Sequence, int]) -> dict[Sequence, list[int]]:
+        """Before the scheduler keeps a verified draft tree's KV: the accepted nodes' KV moves from the slots of
+        their place in the tree to those of their positions. Returns each tree row's accepted proposals."""
+        if verified is None:
+            return {}
+        paths: dict[Sequence, list[int]] = {}
+        moves: list[tuple[int, int]] = []
+        bs = self.kv.block_size
+        for seq, path in zip(verified.seqs, verified.paths):
+            if not seq.spec_parents or seq.finished:
+                continue
+            paths[seq] = path
+            table, root = self.kv.block_tables[seq.seq_id], seq.num_computed_tokens  # not yet updated
+            keep = appended.get(seq, 0) - 1  # appended tokens with KV: the accepted proposals, not the last token
+            for a, b in draft_tree.kv_moves(path, keep):
+                src, dst = root + a, root + b
+                moves.append((table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs))
+        if moves:  # only an EAGLE head drafts trees, and it runs in one process (a ModelRunner)
+            self.runner.move_slots(moves)
+        return paths
 
     def _idle(self, touched: dict[str, Request]) -> list[RequestOutput]:
         """A step with nothing to schedule: the outputs of requests admission failed."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.core import draft_tree
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.distributed.tensor_parallel import Shard, parallelize
 from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
@@ -53,11 +54,24 @@ class FlatBatch:
     query_start: list[int] = field(default_factory=lambda: [0])
     seq_lens: list[int] = field(default_factory=list)  # context length of each row after this step
     tables: list[list[int]] = field(default_factory=list)
+    tree_words: list[int] | None = None  # each token's tree-mask word, once a row verifies a draft tree
 
-    def add(self, tokens: list[int], start: int, table: list[int]) -> None:
+    def add(self, tokens: list[int], start: int, table: list[int], tree: list[int] | None = None) -> None:
+        """`tree`: the parents of the row's last len(tree) tokens, a draft tree below the token before them
+        (core/draft_tree.py): they take the positions of their depths and see their ancestors only."""
         bs, end = self.block_size, start + len(tokens)
         self.input_ids.extend(tokens)
-        self.positions.extend(range(start, end))
+        if tree:
+            root = end - len(tree) - 1
+            self.positions.extend(range(start, root + 1))
+            self.positions.extend(root + d for d in draft_tree.depths(tree))
+            if self.tree_words is None:
+                self.tree_words = [-1] * (len(self.input_ids) - len(tokens))
+            self.tree_words += [-1] * (root - start) + draft_tree.mask_words(tree, end)
+        else:
+            self.positions.extend(range(start, end))
+            if self.tree_words is not None:
+                self.tree_words += [-1] * len(tokens)
         self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         self.query_start.append(self.query_start[-1] + len(tokens))
         self.seq_lens.append(end)
@@ -73,6 +87,8 @@ class FlatBatch:
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(self.query_start, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            tree_mask=None if self.tree_words is None else torch.tensor(self.tree_words, dtype=torch.int64,
+                                                                        device=device),
         )
 
 
@@ -149,6 +165,23 @@ class ModelRunner:
                 vs = alloc(shape[:3], dtype=SCALE_DTYPE, device=self.device)
                 attn.k_scale, attn.v_scale = ks, vs
                 self.kv_scales.append((ks, vs))
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Copy the KV of single token slots (from, to), in every layer: a verified draft tree's accepted nodes to
+        the slots of their positions (core/draft_tree.py). A move never reads a slot an earlier one wrote."""
+        if not moves:
+            return
+        bs = self.block_size
+        src_b = torch.tensor([s // bs for s, _ in moves], device=self.device)
+        src_o = torch.tensor([s % bs for s, _ in moves], device=self.device)
+        dst_b = torch.tensor([d // bs for _, d in moves], device=self.device)
+        dst_o = torch.tensor([d % bs for _, d in moves], device=self.device)
+        for k, v in self.kv_caches + self.kv_scales:
+            for cache in (k, v):
+                if cache.dim() == 5:  # K words [n, Hkv, D/2, block_size, 2]: the slot is dim 3
+                    cache[dst_b, :, :, dst_o] = cache[src_b, :, :, src_o]
+                else:  # [n, Hkv, block_size, ...]
+                    cache[dst_b, :, dst_o] = cache[src_b, :, src_o]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -244,10 +277,12 @@ def step_input(sched: SchedulerOutput, block_tables: dict[int, list[int]], block
         offset = batch.query_start[-1]
         tokens = seq.token_ids[start:end]
         num_spec = end - seq.num_tokens  # > 0: verify the last token and this many proposals
+        tree = None
         if num_spec > 0:
             tokens = tokens + seq.spec_token_ids[:num_spec]
             step.spec_spans[row] = (offset + seq.num_tokens - 1 - start, num_spec + 1)
-        batch.add(tokens, start, block_tables[seq.seq_id])
+            tree = seq.spec_parents[:num_spec]
+        batch.add(tokens, start, block_tables[seq.seq_id], tree)
         span = seq.request.prompt_logprobs_span(start, end)
         if span is not None:  # (first, last) prompt positions -> (flat offset, length)
             step.prompt_spans[row] = (offset + span[0] - start, span[1] - span[0])

@@ -99,7 +99,7 @@ class DecoderStack:
         return torch.ops.pagoda.decoder_stack(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows, self.eps,
-            a0.scale, a0.num_heads, a0.num_kv_heads, end - start, lora_slots if lora else None, lora)
+            a0.scale, a0.num_heads, a0.num_kv_heads, end - start, lora_slots if lora else None, lora, meta.tree_mask)
 
 
 # The op's flat per-layer order (decoder_stack.cpp): qkv, o, gate_up, down, each [weight, scales, offsets, bias].

@@ -37,6 +37,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # int32 [B, max_blocks]
     query_start_loc: torch.Tensor  # int32 [B+1]
     seq_lens: torch.Tensor         # int32 [B]: context length including this step's tokens
+    # int64 [T], or None: draft trees (speculative decoding). Bit j of a query's word covers key
+    # seq_len - TREE_SPAN + j of its sequence; a clear bit hides that key. -1: causal only.
+    tree_mask: torch.Tensor | None = None
+
+
+TREE_SPAN = 64  # the keys at a sequence's end a tree mask covers (kernels/cpu/paged_attention.cpp: kTreeSpan)
 
 
 def k_words_supported(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
@@ -100,13 +106,17 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of flat queries ``q [T, Hq, D]`` over the paged cache.
 
     Query ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - q_len_b + i`` and
     sees keys ``0..p``, or ``p - window + 1..p`` with a sliding ``window`` (> 0); block-table
     entries before the block of a sequence's first visible key are never read. ``softcap`` (> 0)
-    caps each scaled score as ``softcap * tanh(s / softcap)`` (Gemma 2). Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    caps each scaled score as ``softcap * tanh(s / softcap)`` (Gemma 2). ``tree_mask`` (int64 ``[T]``,
+    see AttentionMetadata) hides, per query, keys among its sequence's last TREE_SPAN: a draft tree's node
+    sees the context and its own ancestors only (they come before it in flat order: causality holds).
+    Returns ``[T, Hq, D]`` in ``q``'s dtype.
     ``k_scale``/``v_scale`` are given exactly when the cache is 8-bit. The C++ kernel runs where it is built and
     takes these tensors; `paged_attention_reference` is its torch twin.
     """
@@ -115,14 +125,14 @@ def paged_attention(
     if use_kernel and _kernel_supports(q, k_cache, quantized):
         return torch.ops.pagoda.paged_attention(
             q.contiguous(), k_cache, v_cache, _i32(block_tables), _i32(query_start_loc),
-            _i32(seq_lens), float(scale), k_scale, v_scale, window, softcap)
+            _i32(seq_lens), float(scale), k_scale, v_scale, window, softcap, tree_mask)
     global _warned
     if use_kernel and not _warned:
         _warned = True
         logger.warning("paged_attention: C++ kernel not used for dtype=%s D=%d; using the torch reference",
                        q.dtype, q.shape[-1])
     return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                     k_scale, v_scale, window, softcap)
+                                     k_scale, v_scale, window, softcap, tree_mask)
 
 
 def paged_attention_reference(
@@ -137,9 +147,10 @@ def paged_attention_reference(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged attention: per sequence, gather its blocks (from the first one a query's window
-    reaches) and apply a causal mask, and the window's."""
+    reaches) and apply a causal mask, the window's and the tree's."""
     T, Hq, D = q.shape
     _, Hkv, bs, _ = v_cache.shape
     group = Hq // Hkv
@@ -171,6 +182,11 @@ def paged_attention_reference(
         allowed = key_pos <= pos
         if window > 0:
             allowed &= key_pos > pos - window
+        if tree_mask is not None:
+            bit = key_pos - (seq_len - TREE_SPAN)  # [1, n]
+            words = tree_mask[q0:q1].unsqueeze(1)  # [q_len, 1]
+            hidden = (bit >= 0) & (words != -1) & ((words >> bit.clamp(0, TREE_SPAN - 1)) & 1 == 0)
+            allowed &= ~hidden
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
     return out

@@ -46,7 +46,7 @@ class PagedAttention(nn.Module):
             return torch.ops.pagoda.rope_cache_attention(
                 qkv, positions, rope.cos, rope.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, self.num_heads,
-                self.num_kv_heads, self.k_scale, self.v_scale, self.window, self.softcap)
+                self.num_kv_heads, self.k_scale, self.v_scale, self.window, self.softcap, meta.tree_mask)
         T, D = qkv.shape[0], self.head_dim
         rope.forward_(positions, qkv, self.num_heads, self.num_kv_heads, D)
         q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
@@ -57,7 +57,7 @@ class PagedAttention(nn.Module):
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not bound"
         self.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = self.attend(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                          self.scale, self.k_scale, self.v_scale, self.window, self.softcap)
+                          self.scale, self.k_scale, self.v_scale, self.window, self.softcap, meta.tree_mask)
         return out.reshape(q.shape[0], -1)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

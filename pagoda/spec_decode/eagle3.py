@@ -21,6 +21,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.model_runner import FlatBatch
+from pagoda.kernels.paged_attention import TREE_SPAN
 from pagoda.spec_decode.eagle3_head import Eagle3Head
 
 _CPU = torch.device("cpu")
@@ -70,9 +71,11 @@ class Eagle3Proposer:
         return st
 
     # ---- after the step --------------------------------------------------------------------------
-    def record(self, sched: SchedulerOutput, rejected: Mapping[int, int], aux: torch.Tensor | None) -> None:
+    def record(self, sched: SchedulerOutput, rejected: Mapping[int, int], aux: torch.Tensor | None,
+               tree_paths: Mapping[Sequence, list[int]] | None = None) -> None:
         """After Scheduler.update: keep each row's target states at the positions the step made valid (the
-        row's scheduled tokens less `rejected[row]`, as the scheduler counted them)."""
+        row's scheduled tokens less `rejected[row]`, as the scheduler counted them). A verified draft tree's
+        are the root's and its accepted nodes' (`tree_paths`: their indices among the proposals)."""
         if aux is None:
             return
         offset = 0
@@ -85,7 +88,11 @@ class Eagle3Proposer:
             st = self.seqs.get(seq.seq_id)
             if st is None or st.end != start:  # new, preempted, or a prefix hit skipped positions
                 st = self._restart(seq.seq_id, start)
-            st.pending.append((aux, off, valid))
+            path = tree_paths.get(seq) if tree_paths else None
+            if path is not None:  # the root (first) and the accepted nodes, gathered in position order
+                st.pending.append((aux[torch.tensor([off] + [off + 1 + a for a in path[:valid - 1]])], 0, valid))
+            else:
+                st.pending.append((aux, off, valid))
             st.num_pending += valid
             st.state = None
             if st.num_pending > MAX_PENDING:
@@ -136,8 +143,13 @@ class Eagle3Proposer:
 
     # ---- drafting --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Up to ks[i] tokens per sequence, and q ([k, V]) for rows that sample (None for greedy rows)."""
+    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
+                ) -> tuple[list[list[int]], list[torch.Tensor | None], list[list[int]]]:
+        """Up to ks[i] tokens deep per sequence: a chain, or where widths[i] > 1 a tree (core/draft_tree.py) of
+        the head's top widths[i] first tokens, each followed by its own greedy chain (greedy rows only: a sampled
+        row's q is a chain's). Returns the proposals in flat order (depth by depth, branch by branch), q ([k, V])
+        for rows that sample (None for greedy rows), and each tree's parents (empty for a chain)."""
+        widths = list(widths) if widths else [1] * len(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live: list[int] = []
@@ -146,38 +158,73 @@ class Eagle3Proposer:
             st = self.seqs.get(seq.seq_id)
             if k <= 0 or st is None or st.state is None or st.computed != seq.num_tokens - 1:
                 continue
-            if k > 1 and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, k - 1):
+            if widths[i] > 1 and not seq.request.params.greedy:
+                widths[i] = 1
+            if k > 1 and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, widths[i] * (k - 1)):
                 self._drop(seq.seq_id)
                 continue
             live.append(i)
+        trees: list[list[int]] = [[] for _ in seqs]
         if not live:
-            return drafts, [None] * len(seqs)
+            return drafts, [None] * len(seqs), trees
         head = self.head
-        state = torch.stack([self.seqs[seqs[i].seq_id].state for i in live])  # type: ignore[misc]
-        logits = head.logits(state)
+        # Each live row's tips: the states its next tokens are drafted from (first the root's, then a branch's each).
+        tips = {i: self.seqs[seqs[i].seq_id].state.unsqueeze(0) for i in live}  # type: ignore[union-attr]
+        logits = head.logits(torch.cat(list(tips.values())))
         depth = 0
         while True:
-            for j, i in enumerate(live):
-                token, q = self._sample(logits[j], seqs[i])
-                drafts[i].append(token)
-                if q is not None:
-                    qs[i].append(q)
-            depth += 1
-            keep = [j for j, i in enumerate(live) if ks[i] > depth]
-            if not keep:
-                break
-            live = [live[j] for j in keep]
-            state = state[torch.tensor(keep)]
-            batch = FlatBatch(self.block_size)
-            positions = []
+            at = 0
             for i in live:
-                st = self.seqs[seqs[i].seq_id]
-                pos = st.computed - 1 + depth  # the chain's depth-th row: the token drafted last, one past
-                batch.add([drafts[i][-1]], pos - st.base, self.draft_kv.block_tables[seqs[i].seq_id])
-                positions.append(pos)
-            state = self._run(batch, positions, state, from_target=False)
-            logits = head.logits(state)
-        return drafts, [torch.stack(q) if q else None for q in qs]
+                w, n = widths[i], tips[i].shape[0]
+                rows, at = logits[at:at + n], at + n
+                if depth == 0 and w > 1:  # a tree's first level: the head's top w
+                    tokens = [int(t) for t in self.target_ids[rows[0].topk(w).indices]]
+                    trees[i] += [-1] * w
+                else:
+                    tokens = []
+                    for row in rows:
+                        token, q = self._sample(row, seqs[i])
+                        tokens.append(token)
+                        if q is not None:
+                            qs[i].append(q)
+                    if w > 1:  # each branch's next node, below its tip
+                        trees[i] += [len(drafts[i]) - w + b for b in range(w)]
+                drafts[i] += tokens
+            depth += 1
+            live = [i for i in live if ks[i] > depth]
+            if not live:
+                break
+            batch = FlatBatch(self.block_size)
+            positions: list[int] = []
+            for i in live:
+                st, w = self.seqs[seqs[i].seq_id], widths[i]
+                first = st.computed + (depth - 1) * w  # this depth's nodes take the next w slots, branch by branch
+                batch.add(drafts[i][-w:], first - st.base, self.draft_kv.block_tables[seqs[i].seq_id])
+                positions += [st.computed - 1 + depth] * w  # the position of their depth
+                if w > 1:
+                    self._mask_branches(batch, st, depth, w)
+            inputs = [tips[i].expand(widths[i], -1) for i in live]  # the first level's nodes share the root's
+            out = self._run(batch, positions, torch.cat(inputs), from_target=False)
+            tips = dict(zip(live, out.split([widths[i] for i in live])))
+            logits = head.logits(out)
+        return drafts, [torch.stack(q) if q else None for q in qs], trees
+
+    @staticmethod
+    def _mask_branches(batch: FlatBatch, st: _SeqState, depth: int, w: int) -> None:
+        """The tree mask of the row just added (a depth's w nodes, branch by branch, at the end of the head's
+        slots): each sees the caught-up context and its own branch."""
+        end = st.computed + depth * w - st.base  # the row's seq_len in the draft pool
+        base = end - TREE_SPAN
+        context = sum(1 << (key - base) for key in range(max(0, base), st.computed - st.base))
+        words = []
+        for b in range(w):
+            bits = context
+            for d in range(depth):
+                bits |= 1 << (st.computed - st.base + d * w + b - base)
+            words.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+        if batch.tree_words is None:
+            batch.tree_words = [-1] * len(batch.input_ids)
+        batch.tree_words[-w:] = words
 
     def _run(self, batch: FlatBatch, positions: list[int], state: torch.Tensor, from_target: bool) -> torch.Tensor:
         """One head pass over `batch` (laid out in the draft pool) at RoPE `positions`."""

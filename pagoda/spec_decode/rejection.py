@@ -6,15 +6,17 @@ For draft token x_i drawn from q_i, accept with probability min(1, p_i(x_i) / q_
 rejection emit a token from norm(max(0, p_i - q_i)) and stop; if all k are accepted, emit a bonus token
 from p_{k}. Every emitted token is then distributed exactly as under p alone. Greedy rows (temperature 0)
 accept the longest prefix equal to the target's argmax, plus the target's next argmax: bit-identical to
-decoding without speculation. A point-mass q (n-gram proposals) makes the rule: accept with p_i(x_i),
+decoding without speculation; a greedy row's draft tree the same along the branch that matches
+(core/draft_tree.py). A point-mass q (n-gram proposals) makes the rule: accept with p_i(x_i),
 on rejection resample from p_i with x_i removed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.core import draft_tree
 from pagoda.layers.sampler import SamplingBatch, target_distribution
 
 
@@ -24,6 +26,7 @@ class SpecRow:
     draft: list[int]                        # k proposals
     draft_probs: torch.Tensor | None        # [k, V] q_i for drafted rows; None = point mass (n-gram)
     params_batch_index: int                 # the row's first position in the expanded SamplingBatch
+    parents: list[int] = field(default_factory=list)  # a draft tree's (core/draft_tree.py); empty: a chain
 
 
 def accepts(u: float, p_x: float, q_x: float) -> bool:
@@ -46,6 +49,11 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, rows: list[SpecRow]) -> l
         base, k = row.params_batch_index, len(row.draft)
         params = batch.params[base]
         emitted: list[int] = []
+        if row.parents:  # a tree: its proposals are greedy ones, verified greedily
+            if not (params.greedy or probs is None):
+                raise ValueError("draft trees are verified greedily; a sampled row drafts a chain")
+            out.append(draft_tree.greedy_walk(row.parents, row.draft, greedy[base:base + k + 1])[0])
+            continue
         if params.greedy or probs is None:
             for i, x in enumerate(row.draft):
                 emitted.append(greedy[base + i])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.config import SpeculativeConfig
+from pagoda.core import draft_tree
 from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
@@ -89,15 +90,22 @@ class Verified:
     logprobs: torch.Tensor | None  # log-softmax of every verified row, where a request asks for logprobs
     max_logprobs: int
     dead: list[Sequence]           # grammar allows no token at all: they emit nothing (the engine fails them)
+    # Per sequence, the accepted proposals (indices into its proposals, in depth order): a chain's are 0, 1, ...;
+    # a draft tree's are the branch verification took, whose KV the engine moves to their positions.
+    paths: list[list[int]] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # how deep each one's proposals went (a chain: their number)
 
     def as_emitted(self) -> Emitted:
         """The live sequences' tokens as the step's ragged output."""
         live = [i for i, seq in enumerate(self.seqs) if seq not in self.dead]
         rows = [self.first_row[i] for i in live]
 
+        def row_of(i: int, j: int) -> int:  # the verified row whose logits gave emitted token j
+            return rows[i] + (0 if j == 0 else self.paths[live[i]][j - 1] + 1)
+
         def output_at(idx: list[int], j: int) -> SamplerOutput:
             tokens = torch.tensor([self.emitted[live[i]][j] for i in idx])
-            lp = None if self.logprobs is None else self.logprobs[torch.tensor([rows[i] + j for i in idx])]
+            lp = None if self.logprobs is None else self.logprobs[torch.tensor([row_of(i, j) for i in idx])]
             return sampler_output(tokens, lp, self.max_logprobs)
         return Emitted([self.seqs[i] for i in live], [self.emitted[i] for i in live], output_at)
 
@@ -112,6 +120,7 @@ class StepResult:
     aux_hidden: torch.Tensor | None  # the target's states an EAGLE head drafts from
     forward_s: float                # seconds of the step's forward
     step_s: float                   # seconds of the step before drafting
+    tree_paths: dict[Sequence, list[int]] = field(default_factory=dict)  # draft trees' accepted proposals
 
 
 class Speculator:
@@ -163,18 +172,19 @@ class Speculator:
         params, gens, outs, prompts, banned = [], [], [], [], []
         rows: list[rejection.SpecRow] = []
         for seq, lg in zip(seqs, logits):
-            draft = seq.spec_token_ids
+            draft, tree = seq.spec_token_ids, seq.spec_parents
             assert lg.shape[0] == len(draft) + 1
             q = self._draft_probs.get(seq.seq_id)
-            rows.append(rejection.SpecRow(draft, None if q is None else q[:len(draft)], len(params)))
+            rows.append(rejection.SpecRow(draft, None if q is None else q[:len(draft)], len(params), tree))
             p, req = seq.request.params, seq.request
             history = seq.output_token_ids
-            for i in range(len(draft) + 1):
+            for i in range(len(draft) + 1):  # position i: the root, then after proposal i - 1
+                before = [draft[j] for j in draft_tree.path_to(tree, i - 1)] if tree else draft[:i]
                 params.append(p)
                 gens.append(seq.generator)
-                outs.append(history + draft[:i])
+                outs.append(history + before)
                 prompts.append(req.prompt_token_ids)
-                banned.append(sorted(req.stop_ids) if seq.num_output_tokens + i < p.min_tokens else [])
+                banned.append(sorted(req.stop_ids) if seq.num_output_tokens + len(before) < p.min_tokens else [])
         batch = SamplingBatch(params=params, generators=gens, output_token_ids=[], prompt_token_ids=[],
                               banned_token_ids=banned)
         if batch.any_penalty:
@@ -183,16 +193,20 @@ class Speculator:
         dead = _mask_to_grammar(flat, seqs, rows, structured)
         raw_logprobs = flat.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
         emitted = rejection.verify(flat, batch, rows)
+        paths = [draft_tree.accepted_path(r.parents, r.draft, e) if r.parents else list(range(len(e) - 1))
+                 for r, e in zip(rows, emitted)]
+        depths = [max(draft_tree.depths(r.parents)) if r.parents else len(r.draft) for r in rows]
         return Verified(seqs, emitted, [r.params_batch_index for r in rows], [len(r.draft) for r in rows],
-                        raw_logprobs, batch.max_logprobs, dead)
+                        raw_logprobs, batch.max_logprobs, dead, paths, depths)
 
     # ---- at the end of the step -----------------------------------------------------------------
-    def propose(self, step: StepResult, running: list[Sequence], queued_tokens: int) -> dict[Sequence, list[int]]:
+    def propose(self, step: StepResult, running: list[Sequence], queued_tokens: int,
+                ) -> tuple[dict[Sequence, list[int]], dict[Sequence, list[int]]]:
         """Learn from `step`, then draft the next step's proposals for the decoding sequences of `running`
         (`queued_tokens`: prompt tokens still to compute, which share the next steps). Returns each sequence's
-        proposals, cut to what its grammar allows."""
+        proposals, cut to what its grammar allows, and the parents of those that form a draft tree."""
         if isinstance(self.drafter, Eagle3Proposer):
-            self.drafter.record(step.sched, step.rejected, step.aux_hidden)
+            self.drafter.record(step.sched, step.rejected, step.aux_hidden, step.tree_paths)
         if step.verified is not None:
             self._count(step.verified, step.appended)
         if self.cfg.adaptive:
@@ -214,7 +228,7 @@ class Speculator:
                 cands.append(seq)
                 max_ks.append(k)
         if not cands:
-            return {}
+            return {}, {}
         other = min(queued_tokens, max(0, self.token_budget - len(running)))
         ids = [s.seq_id for s in cands]
         if self.ngram is not None:
@@ -222,26 +236,35 @@ class Speculator:
             ks = [len(p) for p in proposals]
             if self.cfg.adaptive:
                 ks = self.policy.choose(ids, ks, other)
-            return {seq: d for seq, p, k in zip(cands, proposals, ks) if (d := _grammar_prefix(seq, p[:k]))}
-        ks = self.policy.choose(ids, max_ks, other) if self.cfg.adaptive else max_ks
-        rows = [(seq, k) for seq, k in zip(cands, ks) if k > 0]
+            return {seq: d for seq, p, k in zip(cands, proposals, ks) if (d := _grammar_prefix(seq, p[:k]))}, {}
+        # Trees for greedy, unconstrained rows (a grammar cuts chains; a sampled row's q is a chain's).
+        widths = [self.cfg.draft_tree_width if s.request.params.greedy and s.matcher is None else 1 for s in cands]
+        ks = self.policy.choose(ids, max_ks, other, widths) if self.cfg.adaptive else max_ks
+        rows = [(seq, k, w) for seq, k, w in zip(cands, ks, widths) if k > 0]
         if not rows:
-            return {}
+            return {}, {}
         assert self.drafter is not None
-        tokens, probs = self.drafter.propose([seq for seq, _ in rows], [k for _, k in rows])
-        drafts = {}
-        for (seq, _), d, q in zip(rows, tokens, probs):
+        trees: list[list[int]] = [[] for _ in rows]
+        seqs, row_ks = [r[0] for r in rows], [r[1] for r in rows]
+        if isinstance(self.drafter, Eagle3Proposer):
+            tokens, probs, trees = self.drafter.propose(seqs, row_ks, [r[2] for r in rows])
+        else:
+            tokens, probs = self.drafter.propose(seqs, row_ks)
+        drafts, parents = {}, {}
+        for (seq, _, _), d, q, tree in zip(rows, tokens, probs, trees):
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
-            if d := _grammar_prefix(seq, d):
+            if tree:
+                drafts[seq], parents[seq] = d, tree
+            elif d := _grammar_prefix(seq, d):
                 drafts[seq] = d
-        return drafts
+        return drafts, parents
 
     def _count(self, verified: Verified, appended: dict[Sequence, int]) -> None:
         """Acceptance into the stats and the adaptive policy; a draft model rolls back what was rejected."""
         st = self.stats
         st.num_emitted_tokens += sum(appended.get(s, 0) for s in verified.seqs)
-        for seq, e, k in zip(verified.seqs, verified.emitted, verified.num_proposed):
+        for seq, e, k, depth in zip(verified.seqs, verified.emitted, verified.num_proposed, verified.depths):
             accepted = len(e) - 1
             st.num_drafts += 1
             st.num_draft_tokens += k
@@ -250,7 +273,7 @@ class Speculator:
                 st.accepted_per_pos += [0] * (accepted - len(st.accepted_per_pos))
             for j in range(accepted):
                 st.accepted_per_pos[j] += 1
-            self.policy.update(seq.seq_id, k, accepted)
+            self.policy.update(seq.seq_id, depth, accepted)
             if isinstance(self.drafter, ModelDraftProposer):
                 self.drafter.rollback(seq)
 

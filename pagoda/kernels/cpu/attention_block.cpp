@@ -16,7 +16,8 @@ at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, co
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                                 int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& k_scale,
-                                const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
+                                const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                                const c10::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_cache_attention: qkv must be [T, W] contiguous in W");
   const int64_t T = qkv.size(0), heads = num_heads + 2 * num_kv_heads;
   TORCH_CHECK(heads > 0 && qkv.size(1) % heads == 0, "rope_cache_attention: qkv width is not (Hq + 2 Hkv) * D");
@@ -27,7 +28,7 @@ at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, co
   write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   const at::Tensor q = qkv.narrow(1, 0, num_heads * D).contiguous().view({T, num_heads, D});
   return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
-                         window, softcap)
+                         window, softcap, tree_mask)
       .view({T, num_heads * D});
 }
 
@@ -38,7 +39,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "rope_cache_attention(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
       "float scale, int num_heads, int num_kv_heads, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, "
-      "int window=0, float softcap=0.) -> Tensor");
+      "int window=0, float softcap=0., Tensor? tree_mask=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("rope_cache_attention", &pagoda_cpu::rope_cache_attention); }

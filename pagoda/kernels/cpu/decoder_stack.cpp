@@ -62,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const c10::List<c10::optional<at::Tensor>>& linears, at::IntArrayRef formats,
     at::IntArrayRef group_sizes, at::IntArrayRef windows, double eps, double scale, int64_t num_heads,
     int64_t num_kv_heads, int64_t num_layers, const c10::optional<at::Tensor>& lora_slots,
-    const c10::List<c10::optional<at::Tensor>>& lora) {
+    const c10::List<c10::optional<at::Tensor>>& lora, const c10::optional<at::Tensor>& tree_mask) {
   const int64_t L = num_layers;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_stack: x must be [T, H] contiguous");
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L &&
@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     a = pagoda_cpu::rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                                          query_start_loc, seq_lens, scale, num_heads, num_kv_heads, k_scales.get(l),
-                                         v_scales.get(l), windows.empty() ? 0 : windows[l], 0.);
+                                         v_scales.get(l), windows.empty() ? 0 : windows[l], 0., tree_mask);
     at::Tensor y = run_linear(a, linears, li + 1, formats[li + 1], group_sizes[li + 1]);
     add_lora(y, a, lora_slots, lora, li + 1);
     a = pagoda_cpu::rms_norm(y, norms[2 * l + 1], eps, residual);
@@ -119,7 +119,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "Tensor(c!)?[] k_scales, Tensor(d!)?[] v_scales, Tensor[] norms, Tensor?[] qk_norms, Tensor?[] linears, "
       "int[] formats, "
       "int[] group_sizes, int[] windows, float eps, float scale, int num_heads, int num_kv_heads, int num_layers, "
-      "Tensor? lora_slots, Tensor?[] lora) "
+      "Tensor? lora_slots, Tensor?[] lora, Tensor? tree_mask=None) "
       "-> (Tensor, Tensor)");
 }
 

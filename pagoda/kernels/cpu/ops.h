@@ -18,14 +18,16 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k_scale,
-                           const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap);
+                           const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                           const c10::optional<at::Tensor>& tree_mask = c10::nullopt);
 
 at::Tensor rope_cache_attention(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                                 const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                                 int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& k_scale,
-                                const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap);
+                                const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                                const c10::optional<at::Tensor>& tree_mask = c10::nullopt);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     const c10::optional<at::Tensor>& residual);

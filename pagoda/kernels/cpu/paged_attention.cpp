@@ -310,7 +310,11 @@ struct Args {
   float scale;
   int64_t window;  // > 0: a query at p sees keys (p - window, p] only (sliding-window layers)
   float softcap;   // > 0: scores become softcap * tanh(score / softcap) before the mask
+  // Draft trees (speculative decoding), or null: per query, bit j covers key seq_len - kTreeSpan + j; a clear bit
+  // hides that key (on top of causality). -1: the query is causal only.
+  const int64_t* tree_mask;
 };
+constexpr int64_t kTreeSpan = 64;
 
 // The keys [begin, end) a work item reads. With a window, keys start at the block holding the tile's first
 // query's first key: blocks before it may have been freed (KVCacheManager frees blocks out of every query's
@@ -513,6 +517,8 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     // chunk starts before the last query's window.
     const bool need_mask = c0 + KC - 1 > first_pos;
     const bool need_window = a.window > 0 && c0 <= last_pos - a.window;
+    const int64_t tree0 = a.seq_lens[it.seq] - kTreeSpan;  // the first key a tree mask covers
+    const bool need_tree = a.tree_mask != nullptr && c0 + KC > tree0;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = S + r * KC;
@@ -525,6 +531,14 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
       if (need_window)
         for (int j = 0; j < KC; ++j)
           if (c0 + j <= pos - a.window) sr[j] = kNegInf;
+      if (need_tree) {
+        const int64_t tm = a.tree_mask[q0 + it.q_begin + r / G];
+        if (tm != -1)
+          for (int j = 0; j < KC; ++j) {
+            const int64_t bit = c0 + j - tree0;
+            if (bit >= 0 && bit < kTreeSpan && !((tm >> bit) & 1)) sr[j] = kNegInf;
+          }
+      }
       const vf s0 = vload(sr), s1 = vload(sr + W);
       const float cmax = hmax(s0 > s1 ? s0 : s1);
       // Without a window every row has a finite max after chunk 0. With one, a later query's row may have
@@ -614,7 +628,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                double scale, const c10::optional<at::Tensor>& k_scale,
-                               const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
+                               const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                               const c10::optional<at::Tensor>& tree_mask) {
   // K is [num_blocks, Hkv, block_size, D] like V, or, for bf16 caches (kernels/paged_attention.py:
   // k_cache_shape), [num_blocks, Hkv, D/2, block_size, 2]: words of two d for consecutive keys, so one
   // 64-byte load holds a pair of d for 16 keys, as vdpbf16ps takes them.
@@ -671,6 +686,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   a.window = window;
   a.softcap = static_cast<float>(softcap);
+  a.tree_mask = nullptr;
+  if (tree_mask.has_value()) {
+    TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->is_contiguous() && tree_mask->dim() == 1 &&
+                    tree_mask->size(0) == q.size(0),
+                "tree_mask must be int64 [T], contiguous");
+    a.tree_mask = tree_mask->const_data_ptr<int64_t>();
+  }
   TORCH_CHECK(a.qsl[0] == 0 && a.qsl[B] == T, "query_start_loc must span q");
 
   // Query tile: about TARGET_ROWS rows (queries x group heads) per item.
@@ -720,9 +742,10 @@ namespace pagoda_cpu {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, const c10::optional<at::Tensor>& k_scale,
-                           const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap) {
+                           const c10::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                           const c10::optional<at::Tensor>& tree_mask) {
   return paged_attention_cpu(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
-                             window, softcap);
+                             window, softcap, tree_mask);
 }
 }  // namespace pagoda_cpu
 
@@ -731,7 +754,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, int window=0, float softcap=0.) -> Tensor");
+      "Tensor? v_scale=None, int window=0, float softcap=0., Tensor? tree_mask=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
