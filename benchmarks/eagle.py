@@ -10,8 +10,10 @@ measured ones share no topic. `run` answers the held-out prompts greedily (up to
 at end of turn as a chat would) with the same engine settings with and without the head:
   batch 1     one request at a time (--prompts of them), alternated --rounds times: output tok/s of each;
   concurrent  --concurrency requests at a time (max_num_seqs), twice as many prompts, alternated too;
-and checks that every answer is the same tokens either way. Prints the ratios, the mean acceptance length and
-the acceptance per draft position (the share of verifications that accepted the proposal at position j).
+with one EAGLE-3 engine per --tree-widths (1: a chain; w: a draft tree of the head's top w first tokens, each
+followed by its chain), and checks that every answer is the same tokens either way. Prints the ratios, the mean
+acceptance length and the acceptance per draft depth (the share of verifications that accepted a proposal at
+depth j).
 """
 from __future__ import annotations
 
@@ -82,7 +84,6 @@ def _timed(llm, convs, params) -> tuple[float, list[list[int]]]:  # noqa: ANN001
 def run(args: argparse.Namespace) -> int:
     from pagoda import LLM, SamplingParams
 
-    spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
     held = prompts("heldout")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     common = dict(dtype=args.dtype, kv_cache_memory="2GiB")
@@ -90,12 +91,14 @@ def run(args: argparse.Namespace) -> int:
     for conc in [1, *args.concurrency]:
         n = args.prompts if conc == 1 else 2 * conc
         convs = [_messages(t) for t in held[:n]]
-        plain = LLM(args.model, max_num_seqs=conc, **common)
-        eagle = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
-        rates: dict[str, list[float]] = {"plain": [], "eagle": []}
+        llms = {"plain": LLM(args.model, max_num_seqs=conc, **common)}
+        for w in args.tree_widths:  # a chain (1) and draft trees, each beside the same plain engine
+            spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k, "draft_tree_width": w}
+            llms[f"width {w}"] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
+        rates: dict[str, list[float]] = {name: [] for name in llms}
         answers: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):
-            for name, llm in (("plain", plain), ("eagle", eagle)):
+            for name, llm in llms.items():
                 if conc == 1:  # one request at a time
                     t0, toks = time.perf_counter(), []
                     for c in convs:
@@ -105,21 +108,23 @@ def run(args: argparse.Namespace) -> int:
                     rate, toks = _timed(llm, convs, params)
                 rates[name].append(rate)
                 answers[name] = toks
-        same = answers["plain"] == answers["eagle"]
-        st = eagle.engine.speculator.stats
-        per_pos = [a / st.num_drafts for a in st.accepted_per_pos] if st.num_drafts else []
-        p, e = statistics.median(rates["plain"]), statistics.median(rates["eagle"])
-        rows.append((conc, e, p, e / p, st.mean_acceptance_length, per_pos, same))
-        print(f"concurrency {conc}: eagle3 {e:.1f} tok/s vs plain {p:.1f} ({e / p:.2f}x), acceptance length "
-              f"{st.mean_acceptance_length:.2f}, per position {' '.join(f'{x:.2f}' for x in per_pos)}, "
-              f"identical tokens: {same}", flush=True)
-        del plain, eagle
-    print("\n| concurrency | EAGLE-3 (out tok/s) | no speculation | ratio | mean acceptance length | "
-          "accepted at position 1..k | tokens identical |")
-    print("|---|---|---|---|---|---|---|")
-    for conc, e, p, r, al, per_pos, same in rows:
-        print(f"| {conc} | {e:.1f} | {p:.1f} | **{r:.2f}x** | {al:.2f} | {' / '.join(f'{x:.2f}' for x in per_pos)} "
-              f"| {'yes' if same else 'NO'} |")
+        p = statistics.median(rates["plain"])
+        for name, llm in list(llms.items())[1:]:
+            same = answers["plain"] == answers[name]
+            st = llm.engine.speculator.stats
+            per_pos = [a / st.num_drafts for a in st.accepted_per_pos] if st.num_drafts else []
+            e = statistics.median(rates[name])
+            rows.append((conc, name, e, p, e / p, st.mean_acceptance_length, per_pos, same))
+            print(f"concurrency {conc}, {name}: eagle3 {e:.1f} tok/s vs plain {p:.1f} ({e / p:.2f}x), acceptance "
+                  f"length {st.mean_acceptance_length:.2f}, per position {' '.join(f'{x:.2f}' for x in per_pos)}, "
+                  f"identical tokens: {same}", flush=True)
+        del llms
+    print("\n| concurrency | draft tree width | EAGLE-3 (out tok/s) | no speculation | ratio | "
+          "mean acceptance length | accepted at position 1..k | tokens identical |")
+    print("|---|---|---|---|---|---|---|---|")
+    for conc, name, e, p, r, al, per_pos, same in rows:
+        print(f"| {conc} | {name.split()[-1]} | {e:.1f} | {p:.1f} | **{r:.2f}x** | {al:.2f} | "
+              f"{' / '.join(f'{x:.2f}' for x in per_pos)} | {'yes' if same else 'NO'} |")
     return 0 if all(r[-1] for r in rows) else 1
 
 
@@ -154,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", default=None, help="the target (default: the embedded model)")
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    r.add_argument("--tree-widths", type=int, nargs="+", default=[1],
+                   help="draft_tree_width of each EAGLE-3 engine measured beside the plain one (1: a chain)")
     r.add_argument("--prompts", type=int, default=12, help="held-out prompts at batch 1")
     r.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
     r.add_argument("--output-len", type=int, default=128)
