@@ -13,6 +13,7 @@ import torch
 
 from pagoda.kernels.cpu_features import has_native_bf16
 from pagoda.kernels.kv_quant import check_kv_cache_dtype
+from pagoda.kernels.paged_attention import TREE_SPAN
 from pagoda.kernels.policy import KernelPolicy, check_kernels
 
 logger = logging.getLogger(__name__)
@@ -180,8 +181,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_draft_layers applies to method 'self', not {method!r}")
         if self.draft_tree_width > 1 and method != "eagle3":
             raise ValueError(f"speculative_config.draft_tree_width applies to method 'eagle3', not {method!r}")
-        if self.draft_tree_width * self.num_speculative_tokens > 63:  # core/draft_tree.MAX_TREE_NODES
-            raise ValueError("speculative_config: draft_tree_width x num_speculative_tokens must be at most 63")
+        if self.draft_tree_width * self.num_speculative_tokens >= TREE_SPAN:  # the root and they fit the mask
+            raise ValueError(f"speculative_config: draft_tree_width x num_speculative_tokens must be at most "
+                             f"{TREE_SPAN - 1}")
         if not isinstance(self.adaptive, bool):
             raise ValueError("speculative_config.adaptive must be true or false")
 

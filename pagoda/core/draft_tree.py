@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from pagoda.kernels.paged_attention import TREE_SPAN
 
-MAX_TREE_NODES = TREE_SPAN - 1  # proposals per tree: the root and they fit the span the mask covers
-
 
 def depths(parents: list[int]) -> list[int]:
     """Each proposal's depth below the root (a child of the root: 1)."""
@@ -65,15 +63,6 @@ def greedy_walk(parents: list[int], tokens: list[int], argmax: list[int]) -> tup
         if node < 0:
             return emitted, path
         path.append(node)
-
-
-def accepted_path(parents: list[int], tokens: list[int], emitted: list[int]) -> list[int]:
-    """The proposals whose tokens `emitted` took (all but its last token), in depth order."""
-    path: list[int] = []
-    for token in emitted[:-1]:
-        parent = path[-1] if path else -1
-        path.append(next(i for i, (p, t) in enumerate(zip(parents, tokens)) if p == parent and t == token))
-    return path
 
 
 def kv_moves(path: list[int], keep: int) -> list[tuple[int, int]]:

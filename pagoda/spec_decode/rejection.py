@@ -38,21 +38,24 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def verify(logits: torch.Tensor, batch: SamplingBatch, rows: list[SpecRow]) -> list[list[int]]:
+def verify(logits: torch.Tensor, batch: SamplingBatch, rows: list[SpecRow]) -> tuple[list[list[int]], list[list[int]]]:
     """logits: fp32 [sum(1 + k_r), V], the target at each row's last token and its proposals, in row order;
     `batch` has one entry per such position, with the history up to that position (drafts included).
-    Returns the emitted tokens per row: the accepted proposals plus one token from the target."""
+    Returns the emitted tokens per row (the accepted proposals plus one token from the target), and the
+    accepted proposals' indices (a chain's 0, 1, ...; a tree's branch, in depth order)."""
     greedy_ids, probs = target_distribution(logits, batch)
     greedy = greedy_ids.tolist()
     out: list[list[int]] = []
-    for row in rows:
+    tree_paths: dict[int, list[int]] = {}
+    for r, row in enumerate(rows):
         base, k = row.params_batch_index, len(row.draft)
         params = batch.params[base]
         emitted: list[int] = []
         if row.parents:  # a tree: its proposals are greedy ones, verified greedily
             if not (params.greedy or probs is None):
                 raise ValueError("draft trees are verified greedily; a sampled row drafts a chain")
-            out.append(draft_tree.greedy_walk(row.parents, row.draft, greedy[base:base + k + 1])[0])
+            emitted, tree_paths[r] = draft_tree.greedy_walk(row.parents, row.draft, greedy[base:base + k + 1])
+            out.append(emitted)
             continue
         if params.greedy or probs is None:
             for i, x in enumerate(row.draft):
@@ -82,4 +85,4 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, rows: list[SpecRow]) -> l
         else:
             emitted.append(_draw(probs[base + k], gen))
         out.append(emitted)
-    return out
+    return out, [tree_paths.get(r, list(range(len(e) - 1))) for r, e in enumerate(out)]

@@ -192,9 +192,7 @@ class Speculator:
         flat = torch.cat(logits).float()
         dead = _mask_to_grammar(flat, seqs, rows, structured)
         raw_logprobs = flat.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
-        emitted = rejection.verify(flat, batch, rows)
-        paths = [draft_tree.accepted_path(r.parents, r.draft, e) if r.parents else list(range(len(e) - 1))
-                 for r, e in zip(rows, emitted)]
+        emitted, paths = rejection.verify(flat, batch, rows)
         depths = [max(draft_tree.depths(r.parents)) if r.parents else len(r.draft) for r in rows]
         return Verified(seqs, emitted, [r.params_batch_index for r in rows], [len(r.draft) for r in rows],
                         raw_logprobs, batch.max_logprobs, dead, paths, depths)
