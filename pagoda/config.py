@@ -138,8 +138,8 @@ class SpeculativeConfig:
                                                # eagle3: a head folder (spec_decode/eagle3_head.py)
     num_draft_layers: int | None = None        # self: the early-exit depth L
     adaptive: bool = True                      # pick k per request from measured acceptance and step cost
-    # eagle3: draft a tree for greedy requests, the head's top `draft_tree_width` first tokens each followed by
-    # its own chain (k deep, width x k proposals in all, core/draft_tree.py); 1: a chain
+    # eagle3: draft a tree, the head's top `draft_tree_width` first tokens each followed by its own chain (k deep,
+    # width x k proposals in all, core/draft_tree.py); 1: a chain
     draft_tree_width: int = 1
 
     @classmethod

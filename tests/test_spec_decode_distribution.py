@@ -130,3 +130,24 @@ def test_eagle3_sampling_matches_the_target_distribution(tiny_v16, default_gguf,
     stats = llm.engine.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert worst_position(plain_samples, spec_samples) < 1.0
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["tree", "accepting-everything-fails"])
+def test_eagle3_tree_sampling_matches_the_target_distribution(tiny_v16, default_gguf, plain_samples, tmp_path,
+                                                              monkeypatch, wrong):
+    """Draft trees at temperature > 0: each node's children (the head's top tokens) are tried as point masses in
+    turn against the residual; the emitted tokens keep the target's distribution, and a wrong rule is caught."""
+    head = build_tiny_eagle3_head(tmp_path / "head", tiny_v16, draft_vocab_size=8)
+    cfg = {"method": "eagle3", "num_speculative_tokens": 2, "model": str(head), "adaptive": False,
+           "draft_tree_width": 3}
+    if wrong:
+        monkeypatch.setattr(rejection, "accepts", lambda u, p_x, q_x: True)
+    spec_samples, llm = sample(tiny_v16, default_gguf, cfg)
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > NUM_SAMPLES
+    if wrong:
+        assert worst_position(plain_samples, spec_samples) > 1.0
+        return
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[0] < stats.num_drafts  # the first level's children were not all accepted
+    assert worst_position(plain_samples, spec_samples) < 1.0

@@ -146,9 +146,10 @@ class Eagle3Proposer:
     def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
                 ) -> tuple[list[list[int]], list[torch.Tensor | None], list[list[int]]]:
         """Up to ks[i] tokens deep per sequence: a chain, or where widths[i] > 1 a tree (core/draft_tree.py) of
-        the head's top widths[i] first tokens, each followed by its own greedy chain (greedy rows only: a sampled
-        row's q is a chain's). Returns the proposals in flat order (depth by depth, branch by branch), q ([k, V])
-        for rows that sample (None for greedy rows), and each tree's parents (empty for a chain)."""
+        the head's top widths[i] first tokens, each followed by its own chain of the head's top tokens (point
+        masses, verified as such: spec_decode/rejection.py). Returns the proposals in flat order (depth by depth,
+        branch by branch), q ([k, V]) for chains that sample (None for greedy rows and trees), and each tree's
+        parents (empty for a chain)."""
         widths = list(widths) if widths else [1] * len(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -158,8 +159,6 @@ class Eagle3Proposer:
             st = self.seqs.get(seq.seq_id)
             if k <= 0 or st is None or st.state is None or st.computed != seq.num_tokens - 1:
                 continue
-            if widths[i] > 1 and not seq.request.params.greedy:
-                widths[i] = 1
             if k > 1 and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, widths[i] * (k - 1)):
                 self._drop(seq.seq_id)
                 continue
@@ -180,15 +179,14 @@ class Eagle3Proposer:
                 if depth == 0 and w > 1:  # a tree's first level: the head's top w
                     tokens = [int(t) for t in self.target_ids[rows[0].topk(w).indices]]
                     trees[i] += [-1] * w
+                elif w > 1:  # each branch's next node, below its tip: the head's top token (a point mass)
+                    tokens = [int(t) for t in self.target_ids[rows.argmax(dim=-1)]]
+                    trees[i] += [len(drafts[i]) - w + b for b in range(w)]
                 else:
-                    tokens = []
-                    for row in rows:
-                        token, q = self._sample(row, seqs[i])
-                        tokens.append(token)
-                        if q is not None:
-                            qs[i].append(q)
-                    if w > 1:  # each branch's next node, below its tip
-                        trees[i] += [len(drafts[i]) - w + b for b in range(w)]
+                    token, q = self._sample(rows[0], seqs[i])
+                    tokens = [token]
+                    if q is not None:
+                        qs[i].append(q)
                 drafts[i] += tokens
             depth += 1
             live = [i for i in live if ks[i] > depth]

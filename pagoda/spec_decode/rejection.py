@@ -7,8 +7,9 @@ rejection emit a token from norm(max(0, p_i - q_i)) and stop; if all k are accep
 from p_{k}. Every emitted token is then distributed exactly as under p alone. Greedy rows (temperature 0)
 accept the longest prefix equal to the target's argmax, plus the target's next argmax: bit-identical to
 decoding without speculation; a greedy row's draft tree the same along the branch that matches
-(core/draft_tree.py). A point-mass q (n-gram proposals) makes the rule: accept with p_i(x_i),
-on rejection resample from p_i with x_i removed.
+(core/draft_tree.py). A point-mass q (n-gram proposals) makes the rule: accept with p_i(x_i), on rejection
+resample from p_i with x_i removed; a sampled row's tree applies it to each node's children in turn
+(`_sample_tree`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,37 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def _sample_tree(row: SpecRow, probs: torch.Tensor, gen: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """A sampled row's draft tree, its proposals point masses (the head's top tokens, not draws from q): at each
+    node its children are tried in turn, each accepted with the probability the residual gives it, the residual
+    losing each rejected one (renormalized); a node whose children all fail, or a leaf, emits a draw from what is
+    left. Each emitted token is then distributed exactly as under p: the first child is taken with p(x1), the
+    second with (1 - p(x1)) * p(x2) / (1 - p(x1)) = p(x2), any other token with p(y). `probs`: the target at
+    the root, then after each proposal. Returns the emitted tokens and the accepted proposals."""
+    emitted: list[int] = []
+    path: list[int] = []
+    node = -1
+    while True:
+        p = probs[node + 1].clone()
+        chosen = -1
+        for child in (i for i, parent in enumerate(row.parents) if parent == node):
+            x = row.draft[child]
+            if accepts(float(torch.rand((), generator=gen)), float(p[x]), 1.0):
+                chosen = child
+                break
+            p[x] = 0.0
+            total = float(p.sum())
+            if total <= 0:  # p was all on rejected proposals: rejection had probability 0
+                break
+            p /= total
+        if chosen < 0:
+            emitted.append(_draw(p if float(p.sum()) > 0 else probs[node + 1], gen))
+            return emitted, path
+        emitted.append(row.draft[chosen])
+        path.append(chosen)
+        node = chosen
+
+
 def verify(logits: torch.Tensor, batch: SamplingBatch, rows: list[SpecRow]) -> tuple[list[list[int]], list[list[int]]]:
     """logits: fp32 [sum(1 + k_r), V], the target at each row's last token and its proposals, in row order;
     `batch` has one entry per such position, with the history up to that position (drafts included).
@@ -51,10 +83,11 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, rows: list[SpecRow]) -> t
         base, k = row.params_batch_index, len(row.draft)
         params = batch.params[base]
         emitted: list[int] = []
-        if row.parents:  # a tree: its proposals are greedy ones, verified greedily
-            if not (params.greedy or probs is None):
-                raise ValueError("draft trees are verified greedily; a sampled row drafts a chain")
-            emitted, tree_paths[r] = draft_tree.greedy_walk(row.parents, row.draft, greedy[base:base + k + 1])
+        if row.parents:  # a tree
+            if params.greedy or probs is None:
+                emitted, tree_paths[r] = draft_tree.greedy_walk(row.parents, row.draft, greedy[base:base + k + 1])
+            else:
+                emitted, tree_paths[r] = _sample_tree(row, probs[base:base + k + 1], batch.generators[base])
             out.append(emitted)
             continue
         if params.greedy or probs is None:

@@ -235,8 +235,8 @@ class Speculator:
             if self.cfg.adaptive:
                 ks = self.policy.choose(ids, ks, other)
             return {seq: d for seq, p, k in zip(cands, proposals, ks) if (d := _grammar_prefix(seq, p[:k]))}, {}
-        # Trees for greedy, unconstrained rows (a grammar cuts chains; a sampled row's q is a chain's).
-        widths = [self.cfg.draft_tree_width if s.request.params.greedy and s.matcher is None else 1 for s in cands]
+        # Trees for unconstrained rows (a grammar cuts chains).
+        widths = [self.cfg.draft_tree_width if s.matcher is None else 1 for s in cands]
         ks = self.policy.choose(ids, max_ks, other, widths) if self.cfg.adaptive else max_ks
         rows = [(seq, k, w) for seq, k, w in zip(cands, ks, widths) if k > 0]
         if not rows:
