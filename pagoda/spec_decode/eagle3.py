@@ -150,7 +150,8 @@ class Eagle3Proposer:
         masses, verified as such: spec_decode/rejection.py). Returns the proposals in flat order (depth by depth,
         branch by branch), q ([k, V]) for chains that sample (None for greedy rows and trees), and each tree's
         parents (empty for a chain)."""
-        widths = list(widths) if widths else [1] * len(seqs)
+        vocab = self.head.config.draft_vocab_size  # a tree's first level cannot be wider
+        widths = [min(w, vocab) for w in widths] if widths else [1] * len(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live: list[int] = []
