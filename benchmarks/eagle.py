@@ -10,10 +10,9 @@ measured ones share no topic. `run` answers the held-out prompts greedily (up to
 at end of turn as a chat would) with the same engine settings with and without the head:
   batch 1     one request at a time (--prompts of them), alternated --rounds times: output tok/s of each;
   concurrent  --concurrency requests at a time (max_num_seqs), twice as many prompts, alternated too;
-with one EAGLE-3 engine per --tree-widths (1: a chain; w: a draft tree of the head's top w first tokens, each
-followed by its chain), and checks that every answer is the same tokens either way. Prints the ratios, the mean
-acceptance length and the acceptance per draft depth (the share of verifications that accepted a proposal at
-depth j).
+with one EAGLE-3 engine per --trees ('chain', or a speculative_token_tree in vLLM's form), and checks that
+every answer is the same tokens either way. Prints the ratios, the mean acceptance length and the acceptance
+per draft depth (the share of verifications that accepted a proposal at depth j).
 """
 from __future__ import annotations
 
@@ -83,6 +82,7 @@ def _timed(llm, convs, params) -> tuple[float, list[list[int]]]:  # noqa: ANN001
 
 def run(args: argparse.Namespace) -> int:
     from pagoda import LLM, SamplingParams
+    from pagoda.core.draft_tree import TokenTree
 
     held = prompts("heldout")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
@@ -92,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
         n = args.prompts if conc == 1 else 2 * conc
         convs = [_messages(t) for t in held[:n]]
         llms = {"plain": LLM(args.model, max_num_seqs=conc, **common)}
-        for w in args.tree_widths:  # a chain (1) and draft trees, each beside the same plain engine
-            spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k, "draft_tree_width": w}
-            llms[f"width {w}"] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
+        for tree in args.trees:  # chains and draft trees, each beside the same plain engine
+            spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
+            if tree != "chain":
+                spec.update(speculative_token_tree=tree, num_speculative_tokens=len(TokenTree.parse(tree).paths))
+            llms[tree] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
         rates: dict[str, list[float]] = {name: [] for name in llms}
         answers: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):
@@ -119,11 +121,11 @@ def run(args: argparse.Namespace) -> int:
                   f"length {st.mean_acceptance_length:.2f}, per position {' '.join(f'{x:.2f}' for x in per_pos)}, "
                   f"identical tokens: {same}", flush=True)
         del llms
-    print("\n| concurrency | draft tree width | EAGLE-3 (out tok/s) | no speculation | ratio | "
-          "mean acceptance length | accepted at position 1..k | tokens identical |")
+    print("\n| concurrency | drafts | EAGLE-3 (out tok/s) | no speculation | ratio | "
+          "mean acceptance length | accepted at depth 1..k | tokens identical |")
     print("|---|---|---|---|---|---|---|---|")
     for conc, name, e, p, r, al, per_pos, same in rows:
-        print(f"| {conc} | {name.split()[-1]} | {e:.1f} | {p:.1f} | **{r:.2f}x** | {al:.2f} | "
+        print(f"| {conc} | {name} | {e:.1f} | {p:.1f} | **{r:.2f}x** | {al:.2f} | "
               f"{' / '.join(f'{x:.2f}' for x in per_pos)} | {'yes' if same else 'NO'} |")
     return 0 if all(r[-1] for r in rows) else 1
 
@@ -159,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", default=None, help="the target (default: the embedded model)")
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    r.add_argument("--tree-widths", type=int, nargs="+", default=[1],
-                   help="draft_tree_width of each EAGLE-3 engine measured beside the plain one (1: a chain)")
+    r.add_argument("--trees", nargs="+", default=["chain"],
+                   help="one EAGLE-3 engine each, measured beside the plain one: 'chain' (k deep), or a "
+                        "speculative_token_tree such as '[(0,), (1,), (2,), (0, 0)]'")
     r.add_argument("--prompts", type=int, default=12, help="held-out prompts at batch 1")
     r.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
     r.add_argument("--output-len", type=int, default=128)

@@ -11,9 +11,9 @@ from typing import Any
 import psutil
 import torch
 
+from pagoda.core.draft_tree import TokenTree
 from pagoda.kernels.cpu_features import has_native_bf16
 from pagoda.kernels.kv_quant import check_kv_cache_dtype
-from pagoda.kernels.paged_attention import TREE_SPAN
 from pagoda.kernels.policy import KernelPolicy, check_kernels
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,10 @@ class SpeculativeConfig:
                                                # eagle3: a head folder (spec_decode/eagle3_head.py)
     num_draft_layers: int | None = None        # self: the early-exit depth L
     adaptive: bool = True                      # pick k per request from measured acceptance and step cost
-    # eagle3: draft a tree, the head's top `draft_tree_width` first tokens each followed by its own chain (k deep,
-    # width x k proposals in all, core/draft_tree.py); 1: a chain
-    draft_tree_width: int = 1
+    # eagle3: a static draft tree in vLLM's form, "[(0,), (1,), (0, 0)]": each node the path of child ranks from
+    # the root (rank r: the head's r-th most likely token below its parent); then num_speculative_tokens is its
+    # number of nodes, as in vLLM. None: chains. Parsed and checked by core/draft_tree.TokenTree.
+    speculative_token_tree: str | list | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -161,12 +162,11 @@ class SpeculativeConfig:
         method = self.method
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method: {method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}")
-        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers",
-                    "draft_tree_width"):
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"speculative_config.{key} must be a positive integer, got {v!r}")
-        if self.num_speculative_tokens > 16:
+        if self.num_speculative_tokens > 16 and self.speculative_token_tree is None:
             raise ValueError("speculative_config.num_speculative_tokens must be at most 16")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config.prompt_lookup_min must not exceed prompt_lookup_max")
@@ -179,11 +179,14 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_draft_layers is required for method 'self'")
         if method != "self" and self.num_draft_layers is not None:
             raise ValueError(f"speculative_config.num_draft_layers applies to method 'self', not {method!r}")
-        if self.draft_tree_width > 1 and method != "eagle3":
-            raise ValueError(f"speculative_config.draft_tree_width applies to method 'eagle3', not {method!r}")
-        if self.draft_tree_width * self.num_speculative_tokens >= TREE_SPAN:  # the root and they fit the mask
-            raise ValueError(f"speculative_config: draft_tree_width x num_speculative_tokens must be at most "
-                             f"{TREE_SPAN - 1}")
+        if self.speculative_token_tree is not None:
+            if method != "eagle3":
+                raise ValueError(f"speculative_config.speculative_token_tree applies to method 'eagle3', "
+                                 f"not {method!r}")
+            tree = TokenTree.parse(self.speculative_token_tree)  # raises naming the key
+            if len(tree.paths) != self.num_speculative_tokens:
+                raise ValueError(f"speculative_config.num_speculative_tokens ({self.num_speculative_tokens}) must be "
+                                 f"the number of nodes of speculative_token_tree ({len(tree.paths)})")
         if not isinstance(self.adaptive, bool):
             raise ValueError("speculative_config.adaptive must be true or false")
 

@@ -68,24 +68,27 @@ def test_capturing_leaves_the_target_bit_identical(tiny6, default_gguf, rows):
     assert torch.equal(aux, run((2, 3, 5))[1])
 
 
-@pytest.mark.parametrize("width", [1, 3], ids=["chain", "tree"])
-def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, default_gguf, width):
+TREE = "[(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)]"  # k = 6 nodes, 3 deep; (0,) (0, 0) (0, 0, 0) is the chain
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, default_gguf, tree):
     """Record every proposal the engine makes (chunked prefill, several sequences, k = 3), then recompute
     each from scratch: one catch-up over the whole history and one chain (or tree). Any stale or misplaced
     draft KV, state or position makes them differ. A tree's first branch (the head's top first token, then its
     chain) is the chain itself: any key its mask let through from another branch would change it."""
     llm = LLM(tiny6, tokenizer=default_gguf, dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
-              speculative_config={"method": "eagle3", "model": head6, "num_speculative_tokens": 3,
-                                  "adaptive": False, "draft_tree_width": width})
+              speculative_config={"method": "eagle3", "model": head6, "num_speculative_tokens": 6 if tree else 3,
+                                  "adaptive": False, "speculative_token_tree": tree})
     spec = llm.engine.speculator
     proposer: Eagle3Proposer = spec.drafter
     seen: list[tuple[list[int], int, list[int]]] = []
     propose = proposer.propose
 
-    def recording(seqs, ks, widths=None):
-        drafts, probs, trees = propose(seqs, ks, widths)
+    def recording(seqs, ks, trees=None):
+        drafts, probs, parents = propose(seqs, ks, trees)
         seen.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, ks, drafts) if d)
-        return drafts, probs, trees
+        return drafts, probs, parents
 
     proposer.propose = recording
     prompts = [[5, 6, 7, 8] * 5, list(range(10, 33)), [1, 2, 3]]
@@ -101,12 +104,14 @@ def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, de
         sched = SimpleNamespace(seqs=[seq], num_scheduled=[n - 1])
         seq.num_computed_tokens = n - 1
         fresh.record(sched, {}, aux)
-        want, _, _ = fresh.propose([seq], [k], [width])
+        shape = spec.tree
+        want, _, _ = fresh.propose([seq], [k], [shape])
         assert drafts == want[0], f"proposal {i} at length {n}"
-        if width > 1:
+        if shape is not None:
             fresh.record(sched, {}, aux)
             chain, _, _ = fresh.propose([seq], [k])
-            assert drafts[::width] == chain[0], f"proposal {i}: the first branch is not the chain"
+            first_branch = [d for p, d in zip(shape.cut(k).paths, drafts) if set(p) == {0}]
+            assert first_branch == chain[0], f"proposal {i}: the first branch is not the chain"
         fresh.release_except(set())
 
 
@@ -129,8 +134,8 @@ def test_a_bad_head_is_one_line_naming_its_file(tiny6, head6, default_gguf, tmp_
         LLM(tiny6, tokenizer=default_gguf, dtype="float32", speculative_config=cfg)
 
 
-@pytest.mark.parametrize("width", [1, 3], ids=["chain", "tree"])
-def test_bf16_with_the_kernels_is_plain_decoding(tiny6, head6, default_gguf, width):
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_bf16_with_the_kernels_is_plain_decoding(tiny6, head6, default_gguf, tree):
     """bf16 runs the C++ decoder stack in segments around the captured layers (a tree's mask through it), and the
     head on the kernels."""
     prompts = [[5, 6, 7, 8] * 5, list(range(10, 33)), [1, 2, 3]]
@@ -138,8 +143,8 @@ def test_bf16_with_the_kernels_is_plain_decoding(tiny6, head6, default_gguf, wid
     plain = LLM(tiny6, tokenizer=default_gguf, dtype="bfloat16", block_size=BLOCK)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = LLM(tiny6, tokenizer=default_gguf, dtype="bfloat16", block_size=BLOCK,
-               speculative_config={"method": "eagle3", "model": head6, "num_speculative_tokens": 3,
-                                   "adaptive": False, "draft_tree_width": width})
+               speculative_config={"method": "eagle3", "model": head6, "num_speculative_tokens": 6 if tree else 3,
+                                   "adaptive": False, "speculative_token_tree": tree})
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
     assert [o.outputs[0].token_ids for o in outs] == want

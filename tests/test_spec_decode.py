@@ -66,8 +66,10 @@ def _spec_llm(tiny_llama: str, default_gguf: str, cfg: dict) -> LLM:
     {"method": "draft_model", "num_speculative_tokens": 2, "model": "TINY1", "adaptive": False},
     {"method": "eagle3", "num_speculative_tokens": 3, "model": "EAGLE3", "adaptive": False},
     {"method": "eagle3", "num_speculative_tokens": 4, "model": "EAGLE3"},
-    {"method": "eagle3", "num_speculative_tokens": 3, "model": "EAGLE3", "adaptive": False, "draft_tree_width": 4},
-    {"method": "eagle3", "num_speculative_tokens": 4, "model": "EAGLE3", "draft_tree_width": 3},
+    {"method": "eagle3", "num_speculative_tokens": 8, "model": "EAGLE3", "adaptive": False,
+     "speculative_token_tree": "[(0,), (1,), (2,), (3,), (0, 0), (1, 0), (0, 1), (0, 0, 0)]"},
+    {"method": "eagle3", "num_speculative_tokens": 6, "model": "EAGLE3",
+     "speculative_token_tree": [[0], [1], [2], [0, 0], [0, 0, 0], [0, 0, 0, 0]]},
 ], ids=["ngram", "ngram-adaptive", "self", "draft-is-target", "draft-1-layer", "eagle3", "eagle3-adaptive",
         "eagle3-tree", "eagle3-tree-adaptive"])
 def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32, default_gguf, reference,
@@ -102,7 +104,7 @@ def test_greedy_speculation_matches_plain_decoding_token_for_token(cfg, tiny_v32
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
     if cfg.get("adaptive") is False:
         assert stats.num_draft_tokens > 0, "nothing was drafted"
-    if cfg.get("draft_tree_width", 1) > 1 and cfg.get("adaptive") is False:
+    if "speculative_token_tree" in cfg and cfg.get("adaptive") is False:
         assert moved, "no branch but the first was ever accepted: the trees' KV moves went untested"
     # Logprobs of emitted tokens are the target's, as without speculation (up to batch-shape rounding).
     for got, want in zip(outs[5].outputs[0].logprobs, ref_logprobs):
@@ -159,8 +161,16 @@ def test_speculation_counts_in_the_token_budget(tiny_v32, default_gguf, monkeypa
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "self", "num_speculative_tokens": 2}, "num_draft_layers"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_draft_layers": 1}, "num_draft_layers"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tree_width": 2}, "draft_tree_width"),
-    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 16, "draft_tree_width": 4}, "draft_tree_width"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (1,)]"},
+     "speculative_token_tree"),
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "speculative_token_tree": "[(0,), (1,)]"},
+     "num_speculative_tokens"),
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (0, 1)]"},
+     "speculative_token_tree"),  # (0, 1) without its sibling (0, 0)
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,), (1, 0)]"},
+     "speculative_token_tree"),  # (1, 0) without its parent
+    ({"method": "eagle3", "model": "h", "num_speculative_tokens": 1, "speculative_token_tree": "__import__('os')"},
+     "speculative_token_tree"),  # read as a literal, never evaluated
 ])
 def test_bad_speculative_config_names_the_key(cfg, key):
     with pytest.raises(ValueError, match=key):

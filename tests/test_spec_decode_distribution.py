@@ -138,8 +138,8 @@ def test_eagle3_tree_sampling_matches_the_target_distribution(tiny_v16, default_
     """Draft trees at temperature > 0: each node's children (the head's top tokens) are tried as point masses in
     turn against the residual; the emitted tokens keep the target's distribution, and a wrong rule is caught."""
     head = build_tiny_eagle3_head(tmp_path / "head", tiny_v16, draft_vocab_size=8)
-    cfg = {"method": "eagle3", "num_speculative_tokens": 2, "model": str(head), "adaptive": False,
-           "draft_tree_width": 3}
+    cfg = {"method": "eagle3", "num_speculative_tokens": 5, "model": str(head), "adaptive": False,
+           "speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (1, 0)]"}
     if wrong:
         monkeypatch.setattr(rejection, "accepts", lambda u, p_x, q_x: True)
     spec_samples, llm = sample(tiny_v16, default_gguf, cfg)

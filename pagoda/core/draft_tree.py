@@ -12,7 +12,71 @@ accepted nodes' KV then moves to the consecutive slots of their depths (`kv_move
 """
 from __future__ import annotations
 
+import ast
+from dataclasses import dataclass
+
 from pagoda.kernels.paged_attention import TREE_SPAN
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """A static draft tree in vLLM's `speculative_token_tree` form: each node the path of child ranks from the root
+    ((0,) the drafter's most likely first token, (1,) its second, (0, 0) the most likely below (0,)), in flat
+    order: by depth, then by path, so parents and lower ranks come first."""
+    paths: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def parse(cls, spec: str | list) -> TokenTree:
+        """From vLLM's string ("[(0,), (1,), (0, 0)]", a Python literal, read without evaluating code) or a
+        list of lists (JSON); raises ValueError naming the key."""
+        key = "speculative_config.speculative_token_tree"
+        try:
+            raw = ast.literal_eval(spec) if isinstance(spec, str) else spec
+            paths = sorted({tuple(p) for p in raw}, key=lambda p: (len(p), p))
+        except (ValueError, TypeError, SyntaxError) as e:
+            raise ValueError(f"{key}: not a list of paths ({e})") from None
+        if not paths or len(paths) != len(raw):
+            raise ValueError(f"{key}: a non-empty list of distinct paths")
+        if len(paths) >= TREE_SPAN:  # with the root, the nodes fit the span the tree mask covers
+            raise ValueError(f"{key}: at most {TREE_SPAN - 1} nodes, got {len(paths)}")
+        known = set(paths)
+        for p in paths:
+            if not p or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p):
+                raise ValueError(f"{key}: {p!r} is not a path of ranks (non-negative integers)")
+            if len(p) > 1 and p[:-1] not in known:
+                raise ValueError(f"{key}: {p!r} has no parent {p[:-1]!r}")
+            if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in known:
+                raise ValueError(f"{key}: {p!r} has no sibling of rank {p[-1] - 1} before it")
+        return cls(tuple(paths))
+
+    @classmethod
+    def chain(cls, k: int) -> TokenTree:
+        return cls(tuple((0,) * d for d in range(1, k + 1)))
+
+    def inner(self) -> tuple[tuple[int, ...], ...]:
+        """The nodes with children: those a drafter runs to draft the next depth."""
+        return tuple(p for p in self.paths if p + (0,) in set(self.paths))
+
+    def cut(self, depth: int) -> TokenTree:
+        """The nodes at most `depth` deep (the adaptive controller's choice)."""
+        return TokenTree(tuple(p for p in self.paths if len(p) <= depth))
+
+    @property
+    def depth(self) -> int:
+        return len(self.paths[-1])
+
+    @property
+    def parents(self) -> list[int]:
+        """Each node's parent's index (-1: the root), core/draft_tree's form."""
+        index = {p: i for i, p in enumerate(self.paths)}
+        return [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
+
+    def level_sizes(self) -> list[int]:
+        """Nodes per depth: what each depth costs the verification."""
+        sizes = [0] * self.depth
+        for p in self.paths:
+            sizes[len(p) - 1] += 1
+        return sizes
 
 
 def depths(parents: list[int]) -> list[int]:
@@ -30,6 +94,15 @@ def path_to(parents: list[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def mask_word(visible: list[int], context: int, seq_len: int) -> int:
+    """One query's tree-mask word: it sees keys [0, context) and the keys `visible`, of a sequence of `seq_len`."""
+    base = seq_len - TREE_SPAN  # the key bit 0 covers
+    bits = 0
+    for key in [*range(max(0, base), context), *visible]:
+        bits |= 1 << (key - base)
+    return bits - (1 << 64) if bits >= 1 << 63 else bits  # the int64 the kernel reads
 
 
 def mask_words(parents: list[int], seq_len: int) -> list[int]:

@@ -57,12 +57,13 @@ class AdaptivePolicy:
     alpha: dict[int, float] = field(default_factory=dict)
 
     def choose(self, seq_ids: list[int], max_ks: list[int], other_tokens: int,
-               widths: list[int] | None = None) -> list[int]:
+               level_sizes: list[list[int]] | None = None) -> list[int]:
         """k per candidate (decoding sequences). Prefill tokens sharing the step (`other_tokens`) are useful work
         of their own, so the bar a proposal must clear is the decode rate: tokens per second of a plain
         decode step over these sequences (counting prefill time there would make proposals look cheap).
-        `widths`: a draft tree's branches per depth (core/draft_tree.py), each depth costing that many
-        tokens; its acceptance is measured along the branch verification took, so a is a tree's per depth."""
+        `level_sizes`: per candidate, its draft tree's nodes per depth (core/draft_tree.py), each depth costing
+        that many tokens (None: chains, one each); a tree's acceptance is measured along the branch verification
+        took, so a is its rate per depth."""
         ks = [0] * len(seq_ids)
         gain = float(len(seq_ids))  # tokens the step emits without speculation
         time = self.cost.overhead + self.cost.forward_time(len(seq_ids))
@@ -72,7 +73,7 @@ class AdaptivePolicy:
         while heap:
             neg, i = heapq.heappop(heap)
             g = -neg  # alpha^(k+1): the chance this extra proposal is accepted (and so emitted)
-            w = widths[i] if widths else 1
+            w = level_sizes[i][ks[i]] if level_sizes else 1
             extra = w * (self.cost.c1 + self.cost.d1) + (self.cost.d0 if ks[i] + 1 > depth_open else 0.0)
             if g * time <= self.margin * gain * extra:
                 break

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.core.draft_tree import TokenTree, mask_word
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.model_runner import FlatBatch
-from pagoda.kernels.paged_attention import TREE_SPAN
 from pagoda.spec_decode.eagle3_head import Eagle3Head
 
 _CPU = torch.device("cpu")
@@ -143,87 +143,83 @@ class Eagle3Proposer:
 
     # ---- drafting --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], widths: list[int] | None = None,
+    def propose(self, seqs: list[Sequence], ks: list[int], trees: list[TokenTree | None] | None = None,
                 ) -> tuple[list[list[int]], list[torch.Tensor | None], list[list[int]]]:
-        """Up to ks[i] tokens deep per sequence: a chain, or where widths[i] > 1 a tree (core/draft_tree.py) of
-        the head's top widths[i] first tokens, each followed by its own chain of the head's top tokens (point
-        masses, verified as such: spec_decode/rejection.py). Returns the proposals in flat order (depth by depth,
-        branch by branch), q ([k, V]) for chains that sample (None for greedy rows and trees), and each tree's
-        parents (empty for a chain)."""
-        vocab = self.head.config.draft_vocab_size  # a tree's first level cannot be wider
-        widths = [min(w, vocab) for w in widths] if widths else [1] * len(seqs)
+        """Per sequence, a chain of up to ks[i] tokens, or where trees[i] is given that draft tree cut ks[i] deep
+        (core/draft_tree.py): each node the head's top token of its rank below its parent (a point mass,
+        verified as such: spec_decode/rejection.py). Returns the proposals in the tree's flat order, q ([k, V])
+        for chains that sample (None for greedy rows and trees), and each tree's parents (empty for a chain)."""
+        shapes = [(t.cut(k) if t is not None else TokenTree.chain(k)) if k > 0 else None
+                  for t, k in zip(trees or [None] * len(seqs), ks)]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        parents: list[list[int]] = [[] for _ in seqs]
         live: list[int] = []
         self._catch_up([seq for seq, k in zip(seqs, ks) if k > 0])
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
+        for i, (seq, shape) in enumerate(zip(seqs, shapes)):
             st = self.seqs.get(seq.seq_id)
-            if k <= 0 or st is None or st.state is None or st.computed != seq.num_tokens - 1:
+            if shape is None or st is None or st.state is None or st.computed != seq.num_tokens - 1:
                 continue
-            if k > 1 and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, widths[i] * (k - 1)):
+            n_inner = len(shape.inner())
+            if n_inner and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, n_inner):
                 self._drop(seq.seq_id)
                 continue
             live.append(i)
-        trees: list[list[int]] = [[] for _ in seqs]
         if not live:
-            return drafts, [None] * len(seqs), trees
+            return drafts, [None] * len(seqs), parents
+        inner = {i: set(shapes[i].inner()) for i in live}  # type: ignore[union-attr]
         head = self.head
-        # Each live row's tips: the states its next tokens are drafted from (first the root's, then a branch's each).
-        tips = {i: self.seqs[seqs[i].seq_id].state.unsqueeze(0) for i in live}  # type: ignore[union-attr]
-        logits = head.logits(torch.cat(list(tips.values())))
-        depth = 0
-        while True:
-            at = 0
-            for i in live:
-                w, n = widths[i], tips[i].shape[0]
-                rows, at = logits[at:at + n], at + n
-                if depth == 0 and w > 1:  # a tree's first level: the head's top w
-                    tokens = [int(t) for t in self.target_ids[rows[0].topk(w).indices]]
-                    trees[i] += [-1] * w
-                elif w > 1:  # each branch's next node, below its tip: the head's top token (a point mass)
-                    tokens = [int(t) for t in self.target_ids[rows.argmax(dim=-1)]]
-                    trees[i] += [len(drafts[i]) - w + b for b in range(w)]
-                else:
-                    token, q = self._sample(rows[0], seqs[i])
-                    tokens = [token]
-                    if q is not None:
-                        qs[i].append(q)
-                drafts[i] += tokens
-            depth += 1
-            live = [i for i in live if ks[i] > depth]
-            if not live:
-                break
+        # Per live row: the head's output (state) and logits at each node run so far, the root's first.
+        states = {i: {(): self.seqs[seqs[i].seq_id].state} for i in live}
+        logits = {i: {(): row} for i, row in zip(live, head.logits(torch.stack([states[i][()] for i in live])))}
+        tokens: dict[int, dict[tuple[int, ...], int]] = {i: {} for i in live}
+        slots: dict[int, dict[tuple[int, ...], int]] = {i: {} for i in live}  # inner nodes' draft-pool slots
+        for depth in range(1, max(shapes[i].depth for i in live) + 1):  # type: ignore[union-attr]
             batch = FlatBatch(self.block_size)
             positions: list[int] = []
+            run: list[tuple[int, tuple[int, ...]]] = []
             for i in live:
-                st, w = self.seqs[seqs[i].seq_id], widths[i]
-                first = st.computed + (depth - 1) * w  # this depth's nodes take the next w slots, branch by branch
-                batch.add(drafts[i][-w:], first - st.base, self.draft_kv.block_tables[seqs[i].seq_id])
-                positions += [st.computed - 1 + depth] * w  # the position of their depth
-                if w > 1:
-                    self._mask_branches(batch, st, depth, w)
-            inputs = [tips[i].expand(widths[i], -1) for i in live]  # the first level's nodes share the root's
-            out = self._run(batch, positions, torch.cat(inputs), from_target=False)
-            tips = dict(zip(live, out.split([widths[i] for i in live])))
-            logits = head.logits(out)
-        return drafts, [torch.stack(q) if q else None for q in qs], trees
-
-    @staticmethod
-    def _mask_branches(batch: FlatBatch, st: _SeqState, depth: int, w: int) -> None:
-        """The tree mask of the row just added (a depth's w nodes, branch by branch, at the end of the head's
-        slots): each sees the caught-up context and its own branch."""
-        end = st.computed + depth * w - st.base  # the row's seq_len in the draft pool
-        base = end - TREE_SPAN
-        context = sum(1 << (key - base) for key in range(max(0, base), st.computed - st.base))
-        words = []
-        for b in range(w):
-            bits = context
-            for d in range(depth):
-                bits |= 1 << (st.computed - st.base + d * w + b - base)
-            words.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
-        if batch.tree_words is None:
-            batch.tree_words = [-1] * len(batch.input_ids)
-        batch.tree_words[-w:] = words
+                shape, st, seq = shapes[i], self.seqs[seqs[i].seq_id], seqs[i]
+                assert shape is not None
+                level = [p for p in shape.paths if len(p) == depth]
+                for p in level:
+                    parent = logits[i][p[:-1]]
+                    if trees and trees[i] is not None:  # a tree: the token of its rank
+                        tokens[i][p] = int(self.target_ids[parent.topk(p[-1] + 1).indices[p[-1]]])
+                    else:  # a chain: the head's choice, or its draw for a sampled row
+                        tokens[i][p], q = self._sample(parent, seq)
+                        if q is not None:
+                            qs[i].append(q)
+                run_here = [p for p in level if p in inner[i]]
+                if not run_here:
+                    continue
+                for p in run_here:
+                    slots[i][p] = st.computed + len(slots[i])  # inner nodes take the next slots, in flat order
+                # Consecutive slots: one row; a node sees the caught-up context, its ancestors and itself.
+                first = slots[i][run_here[0]]
+                batch.add([tokens[i][p] for p in run_here], first - st.base, self.draft_kv.block_tables[seq.seq_id])
+                positions += [st.computed - 1 + depth] * len(run_here)  # the position of their depth
+                if len(inner[i]) > shape.depth - 1:  # inner nodes that are not a chain: mask the other branches
+                    end = first + len(run_here) - st.base
+                    words = [mask_word([slots[i][p[:j]] - st.base for j in range(1, depth + 1)],
+                                       st.computed - st.base, end) for p in run_here]
+                    if batch.tree_words is None:
+                        batch.tree_words = [-1] * len(batch.input_ids)
+                    batch.tree_words[-len(run_here):] = words
+                run += [(i, p) for p in run_here]
+            if not run:
+                break
+            inputs = torch.stack([states[i][p[:-1]] for i, p in run])
+            out = self._run(batch, positions, inputs, from_target=False)
+            for (i, p), state, row in zip(run, out, head.logits(out)):
+                states[i][p], logits[i][p] = state, row
+        for i in live:
+            shape = shapes[i]
+            assert shape is not None
+            drafts[i] = [tokens[i][p] for p in shape.paths]
+            if trees and trees[i] is not None:
+                parents[i] = shape.parents
+        return drafts, [torch.stack(q) if q else None for q in qs], parents
 
     def _run(self, batch: FlatBatch, positions: list[int], state: torch.Tensor, from_target: bool) -> torch.Tensor:
         """One head pass over `batch` (laid out in the draft pool) at RoPE `positions`."""

@@ -22,6 +22,7 @@ import torch
 
 from pagoda.config import SpeculativeConfig
 from pagoda.core import draft_tree
+from pagoda.core.draft_tree import TokenTree
 from pagoda.core.emitted import Emitted
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
@@ -134,6 +135,7 @@ class Speculator:
         self.ngram: NgramProposer | None = None
         self.drafter: ModelDraftProposer | Eagle3Proposer | None = None
         self._draft_probs: dict[int, torch.Tensor] = {}
+        self.tree = TokenTree.parse(cfg.speculative_token_tree) if cfg.speculative_token_tree is not None else None
         n_blocks = kv.pool.num_blocks
         if cfg.method == "ngram":
             self.ngram = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -214,17 +216,22 @@ class Speculator:
         self.policy.forget_except(live)
         if self.drafter is not None:
             self.drafter.release_except(live)
-        K = self.cfg.num_speculative_tokens
+        tree = self.tree
+        K = tree.depth if tree is not None else self.cfg.num_speculative_tokens
         cands: list[Sequence] = []
         max_ks: list[int] = []
+        trees: list[TokenTree | None] = []
         for seq in running:
             if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue  # still prefilling
             # Emitting k + 1 tokens must stay within max_tokens, and the k KV positions within the context.
-            k = min(K, seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+            room = self.max_model_len - seq.num_tokens
+            k = min(K, seq.request.max_tokens - seq.num_output_tokens - 1, room)
             if k > 0:
                 cands.append(seq)
                 max_ks.append(k)
+                # Trees where the tree's nodes fit the context and no grammar cuts the proposals.
+                trees.append(tree if tree is not None and seq.matcher is None and len(tree.paths) <= room else None)
         if not cands:
             return {}, {}
         other = min(queued_tokens, max(0, self.token_budget - len(running)))
@@ -235,25 +242,24 @@ class Speculator:
             if self.cfg.adaptive:
                 ks = self.policy.choose(ids, ks, other)
             return {seq: d for seq, p, k in zip(cands, proposals, ks) if (d := _grammar_prefix(seq, p[:k]))}, {}
-        # Trees for unconstrained rows (a grammar cuts chains).
-        widths = [self.cfg.draft_tree_width if s.matcher is None else 1 for s in cands]
-        ks = self.policy.choose(ids, max_ks, other, widths) if self.cfg.adaptive else max_ks
-        rows = [(seq, k, w) for seq, k, w in zip(cands, ks, widths) if k > 0]
+        sizes = [t.level_sizes() if t is not None else [1] * k for t, k in zip(trees, max_ks)]
+        ks = self.policy.choose(ids, max_ks, other, sizes) if self.cfg.adaptive else max_ks
+        rows = [(seq, k, t) for seq, k, t in zip(cands, ks, trees) if k > 0]
         if not rows:
             return {}, {}
         assert self.drafter is not None
-        trees: list[list[int]] = [[] for _ in rows]
+        shapes: list[list[int]] = [[] for _ in rows]
         seqs, row_ks = [r[0] for r in rows], [r[1] for r in rows]
         if isinstance(self.drafter, Eagle3Proposer):
-            tokens, probs, trees = self.drafter.propose(seqs, row_ks, [r[2] for r in rows])
+            tokens, probs, shapes = self.drafter.propose(seqs, row_ks, [r[2] for r in rows])
         else:
             tokens, probs = self.drafter.propose(seqs, row_ks)
         drafts, parents = {}, {}
-        for (seq, _, _), d, q, tree in zip(rows, tokens, probs, trees):
+        for (seq, _, _), d, q, shape in zip(rows, tokens, probs, shapes):
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
-            if tree:
-                drafts[seq], parents[seq] = d, tree
+            if shape:
+                drafts[seq], parents[seq] = d, shape
             elif d := _grammar_prefix(seq, d):
                 drafts[seq] = d
         return drafts, parents
