@@ -182,6 +182,13 @@ def test_config_defaults_use_vllm_names():
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.adaptive) == (1, 4, True)
 
 
+def test_a_tree_rank_past_the_draft_vocabulary_is_refused(tiny_v32, default_gguf, tiny_eagle3):
+    with pytest.raises(ValueError, match="speculative_token_tree: a rank past the head's draft vocabulary of 16"):
+        LLM(tiny_v32, tokenizer=default_gguf, dtype="float32",
+            speculative_config={"method": "eagle3", "model": tiny_eagle3, "num_speculative_tokens": 17,
+                                "speculative_token_tree": [[r] for r in range(17)]})
+
+
 def test_self_draft_must_be_shallower_than_the_model(tiny_v32, default_gguf):
     with pytest.raises(ValueError, match="num_draft_layers"):
         LLM(tiny_v32, tokenizer=default_gguf, dtype="float32",

@@ -146,6 +146,10 @@ class Speculator:
             self.drafter = ModelDraftProposer(target, kv, None, cfg.num_draft_layers)
         elif cfg.method == "eagle3":
             self.drafter = _load_eagle3(cfg, target, kv)
+            vocab = self.drafter.head.config.draft_vocab_size
+            if self.tree is not None and max(max(p) for p in self.tree.paths) >= vocab:
+                raise ValueError(f"speculative_config.speculative_token_tree: a rank past the head's draft "
+                                 f"vocabulary of {vocab} tokens")
         else:
             self.drafter = _load_draft_model(cfg, target, kv, tokenizer)
         cost = StepCostModel(0.0, 0.0)
