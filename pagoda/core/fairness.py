@@ -87,12 +87,10 @@ class WaitingQueue:
         seqs = clients.get(client_of(seq), {}).get(seq.request.request_id)
         return seqs is not None and seq in seqs
 
-    def append(self, seq: Sequence) -> None:
-        self._requests(seq).setdefault(seq.request.request_id, deque()).append(seq)
-        self._len += 1
-
-    def put_back(self, seq: Sequence) -> None:
-        """Return a sequence that left the queue (preempted, or not admitted this step) to its place by age."""
+    def push(self, seq: Sequence) -> None:
+        """A sequence to its place by age: a new one is the youngest; one that left the queue (preempted, or not
+        admitted this step), or one added late (its grammar or adapter was loading), goes ahead of everything
+        younger."""
         requests = self._requests(seq)
         rid = seq.request.request_id
         seqs = requests.get(rid)

@@ -68,7 +68,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins right behind its parent's KV (it shares the parent's blocks)."""
@@ -160,7 +160,7 @@ class Scheduler:
             budget -= num_new
         for seq in newcomers:  # not admitted this step: back to their places in the queue
             seats.give(seq)
-            self.waiting.put_back(seq)
+            self.waiting.push(seq)
         out.block_copies = self.kv.take_copies()
         return out
 
@@ -260,7 +260,7 @@ class Scheduler:
         seq.status = SeqStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.put_back(seq)
+        self.waiting.push(seq)
 
     def update_draft_token_ids(self, drafts: Mapping[Sequence, list[int]],
                                trees: Mapping[Sequence, list[int]] | None = None) -> None:
