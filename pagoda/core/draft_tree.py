@@ -6,7 +6,7 @@ so a node's ancestors sit before it in the flat order, and a tree cut at any len
 parents list is a chain (each proposal's parent is the one before it).
 
 In the target's pass the root and the proposals take consecutive KV slots in flat order; each node gets the RoPE
-position of its depth and sees the context and its own ancestors only (`mask_words`, read by paged attention).
+position of its depth and sees the context and its own ancestors only (`verify_layout`, read by paged attention).
 Verification walks from the root along the child that matches what the target emits (`greedy_walk`), and the
 accepted nodes' KV then moves to the consecutive slots of their depths (`kv_moves`).
 """
@@ -55,7 +55,8 @@ class TokenTree:
 
     def inner(self) -> tuple[tuple[int, ...], ...]:
         """The nodes with children: those a drafter runs to draft the next depth."""
-        return tuple(p for p in self.paths if p + (0,) in set(self.paths))
+        known = set(self.paths)
+        return tuple(p for p in self.paths if p + (0,) in known)
 
     def cut(self, depth: int) -> TokenTree:
         """The nodes at most `depth` deep (the adaptive controller's choice)."""
@@ -97,29 +98,25 @@ def path_to(parents: list[int], node: int) -> list[int]:
 
 
 def mask_word(visible: list[int], context: int, seq_len: int) -> int:
-    """One query's tree-mask word: it sees keys [0, context) and the keys `visible`, of a sequence of `seq_len`."""
+    """One query's tree-mask word (AttentionMetadata.tree_mask): it sees keys [0, context) and the keys
+    `visible`, of a sequence of `seq_len` keys."""
     base = seq_len - TREE_SPAN  # the key bit 0 covers
-    bits = 0
-    for key in [*range(max(0, base), context), *visible]:
+    bits = (1 << (context - base)) - (1 << max(0, -base))  # keys [max(0, base), context)
+    for key in visible:
         bits |= 1 << (key - base)
     return bits - (1 << 64) if bits >= 1 << 63 else bits  # the int64 the kernel reads
 
 
-def mask_words(parents: list[int], seq_len: int) -> list[int]:
-    """Tree-mask words (AttentionMetadata.tree_mask) of the root and each proposal, the tree ending a sequence of
-    `seq_len` keys: each sees every key before the tree, the root, and its own ancestors."""
-    n = len(parents) + 1
-    base = seq_len - TREE_SPAN  # the key bit 0 covers
-    context = 0
-    for key in range(max(0, base), seq_len - n + 1):  # the keys before the tree, and the root
-        context |= 1 << (key - base)
-    words = [-1]  # the root: causal
-    bits: list[int] = []
-    for i, p in enumerate(parents):
-        own = (bits[p] if p >= 0 else context) | 1 << (seq_len - n + 1 + i - base)
-        bits.append(own)
-        words.append(own - (1 << 64) if own >= 1 << 63 else own)  # the int64 the kernel reads
-    return words
+def verify_layout(parents: list[int], start: int, end: int) -> tuple[list[int], list[int]]:
+    """The RoPE positions and tree-mask words of a row computing [start, end) whose last len(parents) tokens are
+    a draft tree below the token before them (the root): the tokens up to the root are causal at their own
+    positions; each proposal sits at the root's position plus its depth and sees the context, the root and its
+    own ancestors."""
+    root = end - len(parents) - 1
+    positions = [*range(start, root + 1), *(root + d for d in depths(parents))]
+    words = [-1] * (root + 1 - start)
+    words += [mask_word([root + 1 + a for a in path_to(parents, i)], root + 1, end) for i in range(len(parents))]
+    return positions, words
 
 
 def greedy_walk(parents: list[int], tokens: list[int], argmax: list[int]) -> tuple[list[int], list[int]]:

@@ -129,6 +129,7 @@ class Scheduler:
             seats.take(seq)
             newcomers.append(seq)
         admitting = bool(newcomers)
+        need = {seq: self._first_chunk_blocks(seq) for seq in newcomers}
         for seq in sorted(prefilling + newcomers,
                           key=lambda s: (self.rank(s), s.num_tokens - s.num_computed_tokens, s.seq_id)):
             if budget <= 0 or self.rank(seq) > cutoff:
@@ -148,8 +149,8 @@ class Scheduler:
                     continue
                 # Blocks are kept for the fairer newcomers not admitted yet (drawn before it): a long recomputation
                 # would otherwise lose them to short prompts step after step, and wait for ever.
-                reserve = sum(self._first_chunk_blocks(s) for s in newcomers[:newcomers.index(seq)])
-                if self.kv.pool.num_free - self._first_chunk_blocks(seq) < reserve:
+                reserve = sum(need[s] for s in newcomers[:newcomers.index(seq)])
+                if self.kv.pool.num_free - need[seq] < reserve:
                     continue
                 if not self._admit(seq, budget):
                     admitting = False  # out of blocks: the rest wait for the next step, in their order

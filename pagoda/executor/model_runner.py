@@ -56,22 +56,18 @@ class FlatBatch:
     tables: list[list[int]] = field(default_factory=list)
     tree_words: list[int] | None = None  # each token's tree-mask word, once a row verifies a draft tree
 
-    def add(self, tokens: list[int], start: int, table: list[int], tree: list[int] | None = None) -> None:
-        """`tree`: the parents of the row's last len(tree) tokens, a draft tree below the token before them
-        (core/draft_tree.py): they take the positions of their depths and see their ancestors only."""
+    def add(self, tokens: list[int], start: int, table: list[int], positions: list[int] | None = None,
+            tree_words: list[int] | None = None) -> None:
+        """A row computing positions [start, start + len(tokens)) of its sequence (its KV slots). `positions`: the
+        tokens' RoPE positions where they are not those (a draft tree's depths); `tree_words`: their tree-mask
+        words (AttentionMetadata.tree_mask; core/draft_tree.py), None: causal."""
         bs, end = self.block_size, start + len(tokens)
         self.input_ids.extend(tokens)
-        if tree:
-            root = end - len(tree) - 1
-            self.positions.extend(range(start, root + 1))
-            self.positions.extend(root + d for d in draft_tree.depths(tree))
+        self.positions.extend(range(start, end) if positions is None else positions)
+        if tree_words is not None or self.tree_words is not None:
             if self.tree_words is None:
                 self.tree_words = [-1] * (len(self.input_ids) - len(tokens))
-            self.tree_words += [-1] * (root - start) + draft_tree.mask_words(tree, end)
-        else:
-            self.positions.extend(range(start, end))
-            if self.tree_words is not None:
-                self.tree_words += [-1] * len(tokens)
+            self.tree_words += [-1] * len(tokens) if tree_words is None else tree_words
         self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         self.query_start.append(self.query_start[-1] + len(tokens))
         self.seq_lens.append(end)
@@ -277,12 +273,13 @@ def step_input(sched: SchedulerOutput, block_tables: dict[int, list[int]], block
         offset = batch.query_start[-1]
         tokens = seq.token_ids[start:end]
         num_spec = end - seq.num_tokens  # > 0: verify the last token and this many proposals
-        tree = None
+        positions = words = None
         if num_spec > 0:
             tokens = tokens + seq.spec_token_ids[:num_spec]
             step.spec_spans[row] = (offset + seq.num_tokens - 1 - start, num_spec + 1)
-            tree = seq.spec_parents[:num_spec]
-        batch.add(tokens, start, block_tables[seq.seq_id], tree)
+            if seq.spec_parents:
+                positions, words = draft_tree.verify_layout(seq.spec_parents[:num_spec], start, end)
+        batch.add(tokens, start, block_tables[seq.seq_id], positions, words)
         span = seq.request.prompt_logprobs_span(start, end)
         if span is not None:  # (first, last) prompt positions -> (flat offset, length)
             step.prompt_spans[row] = (offset + span[0] - start, span[1] - span[0])

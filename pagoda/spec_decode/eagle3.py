@@ -156,18 +156,18 @@ class Eagle3Proposer:
         parents: list[list[int]] = [[] for _ in seqs]
         live: list[int] = []
         self._catch_up([seq for seq, k in zip(seqs, ks) if k > 0])
+        inner: dict[int, set[tuple[int, ...]]] = {}  # per live row, the nodes it runs the head over
         for i, (seq, shape) in enumerate(zip(seqs, shapes)):
             st = self.seqs.get(seq.seq_id)
             if shape is None or st is None or st.state is None or st.computed != seq.num_tokens - 1:
                 continue
-            n_inner = len(shape.inner())
-            if n_inner and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, n_inner):
+            inner[i] = set(shape.inner())
+            if inner[i] and not self.draft_kv.allocate_slots(seq.seq_id, st.computed - st.base, len(inner[i])):
                 self._drop(seq.seq_id)
                 continue
             live.append(i)
         if not live:
             return drafts, [None] * len(seqs), parents
-        inner = {i: set(shapes[i].inner()) for i in live}  # type: ignore[union-attr]
         head = self.head
         # Per live row: the head's output (state) and logits at each node run so far, the root's first.
         states = {i: {(): self.seqs[seqs[i].seq_id].state} for i in live}
@@ -196,16 +196,14 @@ class Eagle3Proposer:
                 for p in run_here:
                     slots[i][p] = st.computed + len(slots[i])  # inner nodes take the next slots, in flat order
                 # Consecutive slots: one row; a node sees the caught-up context, its ancestors and itself.
-                first = slots[i][run_here[0]]
-                batch.add([tokens[i][p] for p in run_here], first - st.base, self.draft_kv.block_tables[seq.seq_id])
-                positions += [st.computed - 1 + depth] * len(run_here)  # the position of their depth
+                first = slots[i][run_here[0]] - st.base
+                words = None
                 if len(inner[i]) > shape.depth - 1:  # inner nodes that are not a chain: mask the other branches
-                    end = first + len(run_here) - st.base
                     words = [mask_word([slots[i][p[:j]] - st.base for j in range(1, depth + 1)],
-                                       st.computed - st.base, end) for p in run_here]
-                    if batch.tree_words is None:
-                        batch.tree_words = [-1] * len(batch.input_ids)
-                    batch.tree_words[-len(run_here):] = words
+                                       st.computed - st.base, first + len(run_here)) for p in run_here]
+                here = [st.computed - 1 + depth] * len(run_here)  # the position of their depth
+                batch.add([tokens[i][p] for p in run_here], first, self.draft_kv.block_tables[seq.seq_id], here, words)
+                positions += here
                 run += [(i, p) for p in run_here]
             if not run:
                 break

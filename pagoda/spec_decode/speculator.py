@@ -252,18 +252,18 @@ class Speculator:
         if not rows:
             return {}, {}
         assert self.drafter is not None
-        shapes: list[list[int]] = [[] for _ in rows]
+        tree_parents: list[list[int]] = [[] for _ in rows]
         seqs, row_ks = [r[0] for r in rows], [r[1] for r in rows]
         if isinstance(self.drafter, Eagle3Proposer):
-            tokens, probs, shapes = self.drafter.propose(seqs, row_ks, [r[2] for r in rows])
+            tokens, probs, tree_parents = self.drafter.propose(seqs, row_ks, [r[2] for r in rows])
         else:
             tokens, probs = self.drafter.propose(seqs, row_ks)
         drafts, parents = {}, {}
-        for (seq, _, _), d, q, shape in zip(rows, tokens, probs, shapes):
+        for (seq, _, _), d, q, tp in zip(rows, tokens, probs, tree_parents):
             if q is not None:
                 self._draft_probs[seq.seq_id] = q
-            if shape:
-                drafts[seq], parents[seq] = d, shape
+            if tp:
+                drafts[seq], parents[seq] = d, tp
             elif d := _grammar_prefix(seq, d):
                 drafts[seq] = d
         return drafts, parents
