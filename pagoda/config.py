@@ -121,8 +121,9 @@ class LoRAConfig:
             raise ValueError("max_loras and max_lora_rank must be positive")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "self", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self", "eagle3", "mtp")
 _MODEL_METHODS = ("draft_model", "eagle3")  # the methods that read `model`
+_HEAD_METHODS = ("eagle3", "mtp")  # a head over the target's states (spec_decode/head_proposer.py): trees too
 
 
 @dataclass
@@ -138,7 +139,7 @@ class SpeculativeConfig:
                                                # eagle3: a head folder (spec_decode/eagle3_head.py)
     num_draft_layers: int | None = None        # self: the early-exit depth L
     adaptive: bool = True                      # pick k per request from measured acceptance and step cost
-    # eagle3: a static draft tree in vLLM's form, "[(0,), (1,), (0, 0)]": each node the path of child ranks from
+    # eagle3, mtp: a static draft tree in vLLM's form, "[(0,), (1,), (0, 0)]": each node the path of child ranks from
     # the root (rank r: the head's r-th most likely token below its parent); then num_speculative_tokens is its
     # number of nodes, as in vLLM. None: chains. Parsed and checked by core/draft_tree.TokenTree.
     speculative_token_tree: str | list | None = None
@@ -180,9 +181,9 @@ class SpeculativeConfig:
         if method != "self" and self.num_draft_layers is not None:
             raise ValueError(f"speculative_config.num_draft_layers applies to method 'self', not {method!r}")
         if self.speculative_token_tree is not None:
-            if method != "eagle3":
-                raise ValueError(f"speculative_config.speculative_token_tree applies to method 'eagle3', "
-                                 f"not {method!r}")
+            if method not in _HEAD_METHODS:
+                raise ValueError(f"speculative_config.speculative_token_tree applies to methods "
+                                 f"{', '.join(_HEAD_METHODS)}, not {method!r}")
             tree = TokenTree.parse(self.speculative_token_tree)  # raises naming the key
             if len(tree.paths) != self.num_speculative_tokens:
                 raise ValueError(f"speculative_config.num_speculative_tokens ({self.num_speculative_tokens}) must be "

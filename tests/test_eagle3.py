@@ -13,8 +13,8 @@ from tiny_models import build_tiny_eagle3_head, build_tiny_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.executor.model_runner import FlatBatch
-from pagoda.spec_decode.eagle3 import Eagle3Proposer
 from pagoda.spec_decode.eagle3_head import default_aux_layers
+from pagoda.spec_decode.head_proposer import HeadProposer
 
 BLOCK = 4
 
@@ -81,7 +81,7 @@ def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, de
               speculative_config={"method": "eagle3", "model": head6, "num_speculative_tokens": 6 if tree else 3,
                                   "adaptive": False, "speculative_token_tree": tree})
     spec = llm.engine.speculator
-    proposer: Eagle3Proposer = spec.drafter
+    proposer: HeadProposer = spec.drafter
     seen: list[tuple[list[int], int, list[int]]] = []
     propose = proposer.propose
 
@@ -95,7 +95,7 @@ def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, de
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert len(seen) >= 6
     runner = llm.engine.runner
-    fresh = Eagle3Proposer(proposer.head, 64, BLOCK, runner.args.vocab_size)
+    fresh = HeadProposer(proposer.head, 64, BLOCK, runner.args.vocab_size)
     for i, (tokens, k, drafts) in enumerate(seen):
         aux, _ = runner.hidden_states(tokens, proposer.head.config.aux_layers)
         n = len(tokens)
@@ -154,12 +154,12 @@ def test_bf16_with_the_kernels_is_plain_decoding(tiny6, head6, default_gguf, tre
 def test_pending_states_past_the_cap_keep_the_newest(monkeypatch):
     """A sequence that does not draft keeps at most MAX_PENDING positions' states; the head then starts over
     after the dropped ones, and the kept rows are the newest, in order."""
-    import pagoda.spec_decode.eagle3 as e3
+    import pagoda.spec_decode.head_proposer as e3
 
     monkeypatch.setattr(e3, "MAX_PENDING", 8)
     head = SimpleNamespace(allocate_kv=lambda *a: None, to_target=lambda ids: ids,
-                           config=SimpleNamespace(draft_vocab_size=4))
-    proposer = Eagle3Proposer(head, 4, BLOCK, 64)  # type: ignore[arg-type]
+                           draft_vocab_size=4)
+    proposer = HeadProposer(head, 4, BLOCK, 64)  # type: ignore[arg-type]
     seq = SimpleNamespace(seq_id=7, num_computed_tokens=0, finished=False)
     computed = 0
     for n in (5, 3, 1, 4):  # steps of 5, 3, 1 and 4 positions; rows hold their position

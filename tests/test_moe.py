@@ -361,3 +361,50 @@ def test_moe_prompt_logprobs_match_hf(tiny_moe, default_gguf):
     llm = LLM(tiny_moe, tokenizer=default_gguf, dtype="float32", max_num_batched_tokens=16, kv_cache_memory="16MiB")
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
     assert worst_prompt_logprob_error(tiny_moe, prompt, out.prompt_logprobs) < 1e-4
+
+
+# ---- GLM-4.5 (Glm4Moe): grouped sigmoid routing, shared experts --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_glm(tmp_path_factory) -> str:
+    return str(build_tiny_moe(tmp_path_factory.mktemp("tiny_glm"), "glm4_moe"))
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_tiny_glm4_moe_greedy_matches_hf(tiny_glm, default_gguf, kernels):
+    """Its MTP layer (layers.3) is in the file and skipped by the target, as transformers skips it."""
+    llm = LLM(tiny_glm, tokenizer=default_gguf, dtype="float32", kernels=kernels, block_size=4,
+              max_num_batched_tokens=16, kv_cache_memory="16MiB")
+    model = llm.engine.runner.model
+    assert len(model.layers) == 3 and model.args.num_mtp_layers == 1
+    block = model.layers[1].mlp
+    assert isinstance(block, SparseMoeBlock) and block.shared_experts is not None and block.grouped is not None
+    assert generate(llm, PROMPTS[:4]) == hf_greedy(tiny_glm, PROMPTS[:4], NEW)
+    assert agreement_with_hf(tiny_glm, default_gguf, LONG, dtype="float32") == 1.0
+
+
+def test_grouped_routing_is_transformers_glm4_moe_router():
+    """Experts and weights of route_grouped against Glm4MoeTopkRouter over random logits, with a bias that moves
+    the choice away from the plain top scores and groups that exclude some of them."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    from pagoda.layers.moe import GroupedRouting, route_grouped
+
+    cfg = Glm4MoeConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = Glm4MoeTopkRouter(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 1.0)
+        router.e_score_correction_bias.normal_(0, 0.3)
+    x = torch.randn(64, 16)
+    _, want_w, want_ids = router(x)
+    w, ids = route_grouped(F.linear(x, router.weight), router.e_score_correction_bias, 4, True,
+                           GroupedRouting(4, 2, 2.5))
+    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices))
+    plain = route_grouped(F.linear(x, router.weight), torch.zeros(16), 4, True, GroupedRouting(1, 1, 2.5))[1]
+    assert not torch.equal(plain.sort(dim=-1).values, order.values)  # the bias and groups changed choices

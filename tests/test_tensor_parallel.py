@@ -161,7 +161,7 @@ def test_uneven_heads_and_replicated_kv_heads(uneven_llama: str, tiny_llama: str
     assert_matches_single(*run_sharded(tiny_llama, 4, dtype="float32"))  # 2 KV heads, each on 2 ranks
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "glm4_moe"])  # glm4_moe: shared experts split too
 def test_mixture_of_experts(arch: str, tmp_path: Path) -> None:
     assert_matches_single(*run_sharded(str(build_tiny_moe(tmp_path, arch)), 2, dtype="float32"))
 

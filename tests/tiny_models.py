@@ -73,9 +73,53 @@ def build_tiny_moe(path: Path, arch: str, **overrides) -> Path:
                                 "num_hidden_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": True,
                                 "head_dim": 32, "rope_theta": 1000000.0, **overrides})
         model = Qwen3MoeForCausalLM(cfg)
+    elif arch == "glm4_moe":
+        return build_tiny_glm4_moe(path, **overrides)
     else:
         raise ValueError(arch)
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_tiny_glm4_moe(path: Path, mtp: bool = True, **overrides) -> Path:
+    """A tiny random GLM-4.5 (Glm4Moe): 3 layers, the first dense; 8 experts of 32 in 2 groups, 1 group searched,
+    top 2, renormalized and scaled by 2.5, a random e_score_correction_bias, one shared expert; q/k/v biases,
+    q/k head norms, head_dim 32 with half rotated. With `mtp`, one MTP layer as GLM-4.5's checkpoints store it
+    (layers.3: a sparse decoder layer, enorm, hnorm, eh_proj, shared_head.{norm,head}), which transformers skips."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+              rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+              first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+              use_qk_norm=True, num_nextn_predict_layers=1 if mtp else 0, **overrides)
+    layers = kw["num_hidden_layers"]
+    torch.manual_seed(0)
+    # One more layer than the target's: its last is the MTP layer's decoder block.
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**kw, "num_hidden_layers": layers + 1}))
+    with torch.no_grad():
+        for layer in model.model.layers[kw["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.normal_(1.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    tensors = load_file(path / "model.safetensors")
+    extra = f"model.layers.{layers}."
+    tensors = {k: v for k, v in tensors.items() if mtp or not k.startswith(extra)}
+    if mtp:
+        h, v = kw["hidden_size"], kw["vocab_size"]
+        g = torch.Generator().manual_seed(1)
+        tensors |= {extra + "enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                    extra + "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                    extra + "eh_proj.weight": 0.2 * torch.randn(h, 2 * h, generator=g),
+                    extra + "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                    extra + "shared_head.head.weight": 0.2 * torch.randn(v, h, generator=g)}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 

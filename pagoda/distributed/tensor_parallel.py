@@ -58,6 +58,7 @@ class Shard:
     kv_heads: range
     intermediate: range      # a dense MLP's columns
     expert_intermediate: range  # each expert's columns (MoE models; empty otherwise)
+    shared_intermediate: range  # the shared experts' columns (GLM-4.5; empty otherwise)
     vocab: range
     vocab_parts: tuple[int, ...]  # every rank's vocabulary slice width (the LM head's gather)
 
@@ -82,12 +83,15 @@ class Shard:
         vocab_ranges = [split(vocab_units, world, r) for r in range(world)]
         vocab_parts = [range(p.start * _VOCAB_UNIT, min(p.stop * _VOCAB_UNIT, a.vocab_size)) for p in vocab_ranges]
         moe_cols = range(0) if a.moe is None else _column_split(a.moe.intermediate_size, world, rank)
-        return cls(rank, world, q, kv, _column_split(a.intermediate_size, world, rank), moe_cols,
+        shared = a.moe.shared_intermediate if a.moe is not None else 0
+        shared_cols = _column_split(shared, world, rank) if shared else range(0)
+        return cls(rank, world, q, kv, _column_split(a.intermediate_size, world, rank), moe_cols, shared_cols,
                    vocab_parts[rank], tuple(len(p) for p in vocab_parts))
 
     def local_args(self, a: ModelArgs) -> ModelArgs:
         """`a` at this rank's sizes: the model class builds this rank's part from it."""
-        moe = None if a.moe is None else dataclasses.replace(a.moe, intermediate_size=len(self.expert_intermediate))
+        moe = None if a.moe is None else dataclasses.replace(a.moe, intermediate_size=len(self.expert_intermediate),
+                                                             shared_intermediate=len(self.shared_intermediate))
         return dataclasses.replace(a, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
                                    intermediate_size=len(self.intermediate), vocab_size=len(self.vocab), moe=moe)
 
@@ -96,7 +100,8 @@ class Shard:
         """(output rows, input columns) of one unfused part of the module at `path` that this rank holds;
         None where that axis is not split."""
         module = path.rpartition(".")[2]
-        mlp_cols = self.expert_intermediate if ".experts." in f".{path}." else self.intermediate
+        mlp_cols = (self.expert_intermediate if ".experts." in f".{path}." else
+                    self.shared_intermediate if ".shared_experts." in f".{path}." else self.intermediate)
         if module in ("gate_up_proj", "gate_proj", "up_proj"):
             return mlp_cols, None
         if module == "down_proj":

@@ -125,7 +125,7 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, self.runner, self.kv, self.tokenizer,
-                                         self.max_model_len, sched_cfg.max_num_batched_tokens)
+                                         self.max_model_len, sched_cfg.max_num_batched_tokens, self.files)
         logger.info("KV pool: %d blocks of %d tokens (%.0f MiB; %d wanted for %d seqs x %d tokens), dtype %s, "
                     "kv_cache_dtype %s", num_blocks, config.cache.block_size,
                     num_blocks * self.runner.kv_bytes_per_block() / 2**20, blocks_wanted, sched_cfg.max_num_seqs,

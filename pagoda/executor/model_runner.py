@@ -216,7 +216,8 @@ class ModelRunner:
             spans = step.spec_spans
             spec = self.model.compute_logits(torch.cat([hidden[s:s + length] for s, length in spans.values()]))
             spec_logits = dict(zip(spans, spec.cpu().split([length for _, length in spans.values()])))
-        aux = self.model.aux_hidden if self.model.aux_layers and step.num_layers is None else None
+        captures = self.model.aux_layers or self.model.aux_output
+        aux = self.model.aux_hidden if captures and step.num_layers is None else None
         return ModelOutput(sample_logits=logits.cpu(), sample_rows=step.sample_rows,
                            prompt_logits={r: t.cpu() for r, t in prompt_logits.items()}, spec_logits=spec_logits,
                            aux_hidden=aux)

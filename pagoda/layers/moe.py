@@ -1,5 +1,5 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, and the
-token's output is the routing-weighted sum of those experts' SwiGLU MLPs.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, GLM-4.5): a router picks each token's top-k experts, and
+the token's output is the routing-weighted sum of those experts' SwiGLU MLPs (GLM-4.5: plus its shared experts').
 
 Each expert holds two Linears (gate|up fused, and down), so a quantization method, a GGUF's blocks and the
 kernel choice (Linear.prepare) reach experts as they reach any layer. With the C++ kernels the experts run
@@ -32,6 +32,36 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's router as GLM-4.5 has it: `n_group` groups of experts, the best `topk_group` searched, the
+    chosen weights multiplied by `scale` (routed_scaling_factor)."""
+
+    n_group: int
+    topk_group: int
+    scale: float
+
+
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                  g: GroupedRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids [T, k]) as transformers' Glm4MoeTopkRouter computes them: sigmoid scores
+    in fp32; the choice ranks scores + `bias` (e_score_correction_bias) within the `topk_group` groups whose two
+    best biased scores sum highest; the weights are the chosen experts' unbiased scores, renormalized to sum to
+    one (`renormalize`: norm_topk_prob) and scaled."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    t, e = choice.shape
+    groups = choice.view(t, g.n_group, e // g.n_group)
+    best = groups.topk(2, dim=-1).values.sum(dim=-1) if e // g.n_group > 1 else groups[..., 0]
+    keep = torch.zeros_like(best).scatter_(1, best.topk(g.topk_group, dim=-1).indices, 1.0)
+    choice = choice.masked_fill(keep.repeat_interleave(e // g.n_group, dim=1) == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * g.scale, ids
+
+
 class Expert(nn.Module):
     """One expert's SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused as in LlamaMLP."""
 
@@ -39,6 +69,23 @@ class Expert(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+
+class SharedExpert(Expert):
+    """GLM-4.5's shared experts as one SwiGLU MLP (n_shared_experts times an expert's width) that every token runs
+    beside its routed experts, unweighted."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__(hidden_size, intermediate_size)
+        self.act = silu_and_mul
+
+    def bind_ops(self, cpp: bool) -> None:
+        self.act = silu_and_mul if cpp else silu_and_mul_torch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    __call__ = forward
 
 
 @dataclass(frozen=True)
@@ -98,15 +145,22 @@ class SparseMoeBlock(nn.Module):
     llama.cpp, which keeps ffn_gate_inp in F32, and vLLM)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 round_weights: bool = False) -> None:
+                 round_weights: bool = False, grouped: GroupedRouting | None = None,
+                 shared_intermediate: int = 0) -> None:
         """`round_weights`: round the routing weights to the activations' dtype before scaling (Qwen3-MoE's
-        router casts them to the logits' dtype; Mixtral's keeps fp32)."""
+        router casts them to the logits' dtype; Mixtral's keeps fp32). `grouped`: GLM-4.5's sigmoid routing
+        (route_grouped), its per-expert bias loaded as gate.e_score_correction_bias. `shared_intermediate`: the
+        width of the shared experts' MLP (0: none)."""
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        if grouped is not None:  # loaded as a weight (a parameter), never trained
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.shared_experts = SharedExpert(hidden_size, shared_intermediate) if shared_intermediate else None
         self.top_k = top_k
         self.renormalize = renormalize
         self.round_weights = round_weights
+        self.grouped = grouped
         self.act = silu_and_mul  # moe_reference's activation, where the C++ experts op does not run (bind_ops)
         self.op: ExpertsOp | None = None
 
@@ -119,12 +173,19 @@ class SparseMoeBlock(nn.Module):
         self.op = ExpertsOp.build(list(self.experts)) if policy.cpp else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        if self.grouped is not None:  # its router runs in fp32, as transformers' does
+            weights, ids = route_grouped(F.linear(x.float(), self.gate.weight.float()),
+                                         self.gate.e_score_correction_bias, self.top_k, self.renormalize,
+                                         self.grouped)
+        else:
+            weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype).float()
         if self.op is not None and x.dim() == 2 and x.device.type == "cpu" \
                 and x.dtype in (torch.float32, torch.bfloat16):
-            return self.op(x, ids, weights)
-        return moe_reference(x, ids, weights, self.experts, self.act)  # type: ignore[arg-type]
+            out = self.op(x, ids, weights)
+        else:
+            out = moe_reference(x, ids, weights, self.experts, self.act)  # type: ignore[arg-type]
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     __call__ = forward  # no hooks: skip nn.Module.__call__ (~300 calls a decode step)

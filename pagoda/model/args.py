@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.layers.moe import GroupedRouting
+
 
 @dataclass
 class MoeArgs:
@@ -16,6 +18,10 @@ class MoeArgs:
     renormalize: bool          # the k routing weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     round_weights: bool        # routing weights rounded to the activations' dtype before scaling (Qwen3-MoE)
     sparse_layers: list[bool]  # per layer: a MoE block, or a dense MLP (Qwen3-MoE's mlp_only_layers, sparse step)
+    # GLM-4.5 (DeepSeek-V3's router): sigmoid scores plus a per-expert bias choose the experts within the best
+    # groups, and the chosen scores (renormalized) are scaled; None: softmax routing (Mixtral, Qwen3-MoE).
+    grouped: GroupedRouting | None = None
+    shared_intermediate: int = 0  # the shared experts' MLP every token runs beside its routed ones (0: none)
 
 
 @dataclass
@@ -39,6 +45,9 @@ class ModelArgs:
     # Each layer's sliding window: a query at p attends to keys (p - w, p]; 0 for a layer that sees every key.
     layer_windows: list[int] = field(default_factory=list)
     partial_rotary_factor: float = 1.0  # the share of each head that RoPE rotates (Phi-4-mini: 0.75)
+    # Multi-token prediction layers stored after the decoder layers (GLM-4.5's num_nextn_predict_layers): the
+    # target skips them; speculative decoding's method "mtp" drafts with the first (spec_decode/mtp.py).
+    num_mtp_layers: int = 0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -52,7 +61,8 @@ class ModelArgs:
             archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
                      "mistral": ["MistralForCausalLM"], "phi3": ["Phi3ForCausalLM"],
                      "mixtral": ["MixtralForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
-                     "gemma2": ["Gemma2ForCausalLM"], "gemma3_text": ["Gemma3ForCausalLM"]}.get(mt, [])
+                     "gemma2": ["Gemma2ForCausalLM"], "gemma3_text": ["Gemma3ForCausalLM"],
+                     "glm4_moe": ["Glm4MoeForCausalLM"]}.get(mt, [])
         if not archs:
             raise ValueError("config.json has neither 'architectures' nor a known 'model_type'")
         missing = [k for k in _REQUIRED if k not in cfg]
@@ -87,11 +97,12 @@ class ModelArgs:
                 if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                     rope_scaling = rope_params
             partial = 1.0
-            if arch == "Phi3ForCausalLM":  # the Llama family ignores partial_rotary_factor; transformers' Phi3 reads it
+            if arch in _PARTIAL_ROTARY:  # the Llama family ignores partial_rotary_factor; Phi3 and GLM read it
                 rp = rope_params if isinstance(rope_params, dict) else {}
-                partial = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
-                if isinstance(rope_scaling, dict):
-                    rope_scaling = _phi3_rope_scaling(cfg, rope_scaling)
+                partial = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor")
+                                       or _PARTIAL_ROTARY[arch]))
+            if arch == "Phi3ForCausalLM" and isinstance(rope_scaling, dict):
+                rope_scaling = _phi3_rope_scaling(cfg, rope_scaling)
             args = cls(
                 architecture=arch,
                 vocab_size=_size(cfg, "vocab_size"),
@@ -107,12 +118,14 @@ class ModelArgs:
                 max_position_embeddings=_size(cfg, "max_position_embeddings", 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+                or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm"))),
                 partial_rotary_factor=partial,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 layer_windows=_layer_windows(cfg, arch),
                 moe=_moe_args(cfg, arch),
+                num_mtp_layers=_count(cfg, "num_nextn_predict_layers") if arch in _MTP_ARCHS else 0,
                 hf_config=cfg,
             )
         except (TypeError, ValueError) as e:  # a list where a number belongs, a non-numeric string
@@ -186,6 +199,9 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:
 
 
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (1 + w) norms, tied embeddings by default (model/gemma.py)
+# Architectures whose config's partial_rotary_factor applies, with transformers' default for each.
+_PARTIAL_ROTARY = {"Phi3ForCausalLM": 1.0, "Glm4MoeForCausalLM": 0.5}
+_MTP_ARCHS = ("Glm4MoeForCausalLM",)  # checkpoints that may carry MTP layers (ModelArgs.num_mtp_layers)
 
 _REQUIRED = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
 
@@ -197,7 +213,9 @@ _LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1
            "head_dim": 1024, "max_position_embeddings": 1 << 20, "sliding_window_pattern": 1024,
            # MoE (Mixtral, Qwen3-MoE): DeepSeek-V3 has 256 experts, Qwen3-235B-A22B 128.
            "num_local_experts": 1024, "num_experts": 1024, "num_experts_per_tok": 1024, "decoder_sparse_step": 1024,
-           "moe_intermediate_size": 1 << 18}
+           "moe_intermediate_size": 1 << 18, "n_routed_experts": 1024, "n_group": 1024, "topk_group": 1024,
+           # GLM-4.5: dense layers before the first sparse one, shared experts, MTP layers (each may be 0).
+           "first_k_dense_replace": 1024, "n_shared_experts": 64, "num_nextn_predict_layers": 16}
 
 
 def _size(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -212,6 +230,12 @@ def _size(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     return value
 
 
+def _count(cfg: dict[str, Any], key: str, default: int = 0) -> int:
+    """cfg[key] as an integer in 0.._LIMITS[key] (`default` when absent or null)."""
+    value = cfg.get(key)
+    return default if value is None else (0 if value == 0 else _size(cfg, key))
+
+
 def _moe_args(cfg: dict[str, Any], arch: str) -> MoeArgs | None:
     """The MoE facts of a Mixtral or Qwen3-MoE config, with transformers' defaults for absent keys; None for other
     architectures. Qwen3-MoE's layer i is sparse unless mlp_only_layers lists it, when i + 1 is a multiple of
@@ -224,6 +248,8 @@ def _moe_args(cfg: dict[str, Any], arch: str) -> MoeArgs | None:
         experts = _size(cfg, key, 8)
         return MoeArgs(experts, _top_k(cfg, experts, 2), _size(cfg, "intermediate_size"), True, False,
                        [True] * layers)
+    if arch == "Glm4MoeForCausalLM":
+        return _glm4_moe_args(cfg, layers)
     if arch != "Qwen3MoeForCausalLM":
         return None
     experts = 0 if cfg.get(key) == 0 else _size(cfg, key, 128)
@@ -235,6 +261,28 @@ def _moe_args(cfg: dict[str, Any], arch: str) -> MoeArgs | None:
     top_k = _top_k(cfg, experts, 8) if any(sparse) else 0
     return MoeArgs(experts, top_k, _size(cfg, "moe_intermediate_size", 768), bool(cfg.get("norm_topk_prob", False)),
                    True, sparse)
+
+
+def _glm4_moe_args(cfg: dict[str, Any], layers: int) -> MoeArgs:
+    """GLM-4.5's MoE facts with transformers' Glm4MoeConfig defaults: layers from first_k_dense_replace on are
+    sparse; n_routed_experts in n_group groups, of which topk_group are searched; n_shared_experts shared ones
+    of moe_intermediate_size each."""
+    experts = _size(cfg, "n_routed_experts", 128)
+    groups, searched = _size(cfg, "n_group", 1), _size(cfg, "topk_group", 1)
+    if experts % groups or searched > groups:
+        raise ValueError(f"bad config value: n_group = {groups}, topk_group = {searched} (the {experts} experts "
+                         "must split into n_group equal groups, of which topk_group are searched)")
+    top_k = _top_k(cfg, experts, 8)
+    if top_k > searched * (experts // groups):
+        raise ValueError(f"bad config value: num_experts_per_tok = {top_k} (more than the topk_group groups hold)")
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"bad config value: routed_scaling_factor = {scale} (must be positive)")
+    inter = _size(cfg, "moe_intermediate_size", 1408)
+    first = _count(cfg, "first_k_dense_replace", 1)
+    return MoeArgs(experts, top_k, inter, bool(cfg.get("norm_topk_prob", True)), False,
+                   [i >= first for i in range(layers)], GroupedRouting(groups, searched, scale),
+                   inter * _count(cfg, "n_shared_experts", 1))
 
 
 def _top_k(cfg: dict[str, Any], experts: int, default: int) -> int:

@@ -31,8 +31,8 @@ class LlamaAttention(nn.Module):
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
         self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias)
-        # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
-        self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.attention_bias and not _is_qwen2(a))
+        # Llama's attention_bias covers o_proj too; Qwen2 and GLM-4.5 bias only q/k/v.
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=_o_proj_bias(a))
         self.attn = PagedAttention(a.num_heads, a.num_kv_heads, a.head_dim, sliding_window=window)
         self.rope = rope
         self.head_dim = a.head_dim
@@ -105,8 +105,10 @@ class LlamaForCausalLM(nn.Module):
     # A part of an HF weight name -> the module it names here, where the names differ (Mixtral's experts).
     hf_renames: dict[str, str] = {}
     # EAGLE-3 drafting: the residual stream entering each of these layers is kept, side by side, in
-    # `aux_hidden` [T, len * hidden] after every forward (spec_decode/eagle3.py sets and reads them).
+    # `aux_hidden` [T, len * hidden] after every forward (spec_decode/head_proposer.py sets and reads them).
     aux_layers: tuple[int, ...] = ()
+    # MTP drafting (spec_decode/mtp.py): `aux_hidden` is the forward's output (after the final norm) instead.
+    aux_output: bool = False
     aux_hidden: torch.Tensor | None = None
 
     def __init__(self, a: ModelArgs, max_model_len: int | None = None) -> None:
@@ -117,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling, a.rotary_dim,
                                max_model_len)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope, w, self._mlp(a, i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rope, w, self.layer_mlp(a, i))
                                     for i, w in enumerate(a.layer_windows))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = Linear(a.hidden_size, a.vocab_size, bias=False)
@@ -126,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.stack: DecoderStack | None = None  # the layers as one C++ op for few-row steps (prepare())
         self.lora: LoRAMapping | None = None  # the step's adapter rows, where LoRA is on (lora/manager.py)
 
-    def _mlp(self, a: ModelArgs, layer: int) -> nn.Module | None:
+    def layer_mlp(self, a: ModelArgs, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP where it is not LlamaMLP (None): a MoE model's sparse blocks (model/moe.py)."""
         return None
 
@@ -152,6 +154,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. `num_layers` exits early (self-speculative drafts)."""
+        out = self._forward(input_ids, positions, meta, num_layers)
+        if self.aux_output and num_layers is None:
+            self.aux_hidden = out
+        return out
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 num_layers: int | None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         n = len(self.layers) if num_layers is None else num_layers
         capture = self.aux_layers if num_layers is None else ()
@@ -266,6 +275,11 @@ class LlamaForCausalLM(nn.Module):
         """Every weight a checkpoint of this config holds (the module function below; loader.py checks files by it)."""
         return weight_shapes(a)
 
+    @classmethod
+    def optional_weight_shapes(cls, a: ModelArgs) -> dict[str, tuple[int, ...]]:
+        """Weights a checkpoint may hold beside those, which the model does not load (GLM-4.5's MTP layers)."""
+        return {}
+
     def check_weights(self, loaded: set[str]) -> None:
         """Raise unless every weight a checkpoint of this config holds was loaded (HF names, any prefix)."""
         missing = self.weight_shapes(self.args).keys() - {n.removeprefix("model.") for n in loaded}
@@ -301,12 +315,12 @@ def weight_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
         layer |= {"self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)}
     if a.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
-        if not _is_qwen2(a):
+        if _o_proj_bias(a):
             layer["self_attn.o_proj.bias"] = (h,)
     for i in range(a.num_layers):
         shapes |= {f"layers.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
 
 
-def _is_qwen2(a: ModelArgs) -> bool:
-    return a.architecture == "Qwen2ForCausalLM"
+def _o_proj_bias(a: ModelArgs) -> bool:
+    return a.attention_bias and a.architecture not in ("Qwen2ForCausalLM", "Glm4MoeForCausalLM")

@@ -42,8 +42,13 @@ class ModelFiles:
         """Folder holding the model (tokenizer files live here for HF folders)."""
         return self.source if self.kind == "hf" else os.path.dirname(os.path.abspath(self.source))
 
-    def iter_weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, tensor converted to `dtype`); lm_head is omitted when tied."""
+    def tensor_names(self, prefix: str = "") -> list[str]:
+        """The names of a safetensors folder's tensors that start with `prefix` (headers only)."""
+        return [n for path in self.weight_files for n in read_safetensors_header(path) if n.startswith(prefix)]
+
+    def iter_weights(self, dtype: torch.dtype = torch.float32, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, tensor converted to `dtype`); lm_head is omitted when tied. `prefix`: only
+        the tensors whose names start with it, the others left unread (safetensors folders)."""
         if self.kind == "gguf":
             from pagoda.model.gguf_loader import iter_gguf_weights, split_experts
 
@@ -56,6 +61,8 @@ class ModelFiles:
             try:
                 with safe_open(path, framework="pt", device="cpu") as f:
                     for name in f.keys():
+                        if not name.startswith(prefix):
+                            continue
                         # Buffers some exporters persist; recomputed by the model, not parameters.
                         if name.endswith("rotary_emb.inv_freq"):
                             continue
@@ -243,6 +250,7 @@ def check_checkpoint(files: ModelFiles, args: ModelArgs) -> None:
     if qc is not None and not int4:
         return  # a foreign quantization format: the quantized loader refuses it with its own message
     expected = cls.weight_shapes(args)  # type: ignore[attr-defined]
+    optional = cls.optional_weight_shapes(args)  # type: ignore[attr-defined]
     config = "config.json" if files.kind == "hf" else "the GGUF metadata"
     dims = (f"vocab_size={args.vocab_size} hidden_size={args.hidden_size} intermediate_size="
             f"{args.intermediate_size} num_attention_heads={args.num_heads} num_key_value_heads="
@@ -257,6 +265,11 @@ def check_checkpoint(files: ModelFiles, args: ModelArgs) -> None:
         packed = int4 and part in _INT4_PARTS
         if packed:
             key = stem + ".weight"
+        if key in optional:
+            if tuple(shape) != optional[key]:
+                raise ModelFileError(path, f"{config} ({dims}) implies shape {optional[key]} for {name}, "
+                                           f"but the file has {tuple(shape)}")
+            continue
         if key not in expected:
             raise ModelFileError(path, f"unexpected tensor {name} for {config} "
                                        f"(num_hidden_layers={args.num_layers}, {dims})")

@@ -6,7 +6,7 @@ from torch import nn
 from pagoda.model.args import ModelArgs
 from pagoda.model.gemma import GemmaForCausalLM
 from pagoda.model.llama import LlamaForCausalLM
-from pagoda.model.moe import MixtralForCausalLM, MoeForCausalLM
+from pagoda.model.moe import Glm4MoeForCausalLM, MixtralForCausalLM, MoeForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,6 +23,8 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     # Llama's attention (Qwen3-MoE: with q/k head norms) and sparse mixture-of-experts MLPs (layers/moe.py).
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
+    # GLM-4.5: grouped sigmoid routing, shared experts, q/k/v biases, half-rotary heads; its MTP layers draft.
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 

@@ -125,6 +125,14 @@ class Eagle3Head(nn.Module):
         self._target_embed = (embed,)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64), persistent=False)
 
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._target_embed[0](ids) if self.own_embed is None else self.own_embed(ids)
 

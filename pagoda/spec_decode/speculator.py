@@ -5,11 +5,11 @@ verify()   after the forward: rejection-sample each sequence's positions into th
            Emitted: the accepted proposals and the target's own). The engine appends them through the stop
            rules, and Scheduler.update rolls back what was rejected.
 propose()  at the end of the step (vLLM v1's drafting after sampling): learn from the step (acceptance, the
-           forward's cost; a draft model rolls back, an EAGLE head keeps the step's target states, eagle3.py),
-           then choose k per decoding sequence and draft the next step's proposals: n-gram lookups, or k passes
-           of a draft model, the target's first layers or an EAGLE head. The engine hands them to
-           Scheduler.update_draft_token_ids; the scheduler counts them in its token budget, may trim them, and
-           allocates their slots for the verification.
+           forward's cost; a draft model rolls back, an EAGLE or MTP head keeps the step's target states,
+           head_proposer.py), then choose k per decoding sequence and draft the next step's proposals: n-gram
+           lookups, or k passes of a draft model, the target's first layers, an EAGLE head or an MTP layer. The
+           engine hands them to Scheduler.update_draft_token_ids; the scheduler counts them in its token budget,
+           may trim them, and allocates their slots for the verification.
 """
 from __future__ import annotations
 
@@ -29,11 +29,12 @@ from pagoda.core.request import Sequence
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.model_runner import ModelRunner
 from pagoda.layers.sampler import SamplerOutput, SamplingBatch, sampler_output
+from pagoda.model.loader import ModelFiles
 from pagoda.model.tokenizer import Tokenizer
 from pagoda.spec_decode import rejection
 from pagoda.spec_decode.adaptive import AdaptivePolicy, StepCostModel
 from pagoda.spec_decode.draft import ModelDraftProposer
-from pagoda.spec_decode.eagle3 import Eagle3Proposer
+from pagoda.spec_decode.head_proposer import DraftHead, HeadProposer
 from pagoda.spec_decode.ngram import NgramProposer
 from pagoda.structured.backend import Matcher
 from pagoda.structured.manager import StructuredOutputManager
@@ -126,14 +127,15 @@ class StepResult:
 
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager, tokenizer: Tokenizer,
-                 max_model_len: int, token_budget: int) -> None:
+                 max_model_len: int, token_budget: int, target_files: ModelFiles | None = None) -> None:
+        """`target_files`: the target's checkpoint, where its MTP layer drafts (method "mtp")."""
         self.cfg = cfg
         self.target = target
         self.max_model_len = max_model_len
         self.token_budget = token_budget  # the scheduler's tokens per step
         self.stats = SpecDecodeStats()
         self.ngram: NgramProposer | None = None
-        self.drafter: ModelDraftProposer | Eagle3Proposer | None = None
+        self.drafter: ModelDraftProposer | HeadProposer | None = None
         self._draft_probs: dict[int, torch.Tensor] = {}
         self.tree = TokenTree.parse(cfg.speculative_token_tree) if cfg.speculative_token_tree is not None else None
         n_blocks = kv.pool.num_blocks
@@ -144,9 +146,9 @@ class Speculator:
                 raise ValueError(f"speculative_config.num_draft_layers must be below the model's "
                                  f"{target.args.num_layers} layers")
             self.drafter = ModelDraftProposer(target, kv, None, cfg.num_draft_layers)
-        elif cfg.method == "eagle3":
-            self.drafter = _load_eagle3(cfg, target, kv)
-            vocab = self.drafter.head.config.draft_vocab_size
+        elif cfg.method in ("eagle3", "mtp"):
+            self.drafter = _load_head(cfg, target, kv, target_files)
+            vocab = self.drafter.head.draft_vocab_size
             if self.tree is not None and max(max(p) for p in self.tree.paths) >= vocab:
                 raise ValueError(f"speculative_config.speculative_token_tree: a rank past the head's draft "
                                  f"vocabulary of {vocab} tokens")
@@ -157,7 +159,7 @@ class Speculator:
             t1, t_many = _calibrate(target, n_blocks, None, ((1, 1), (1, 32)))
             cost.add_point(1, t1, weight=5.0)
             cost.add_point(32, t_many, weight=5.0)
-            if isinstance(self.drafter, Eagle3Proposer):
+            if isinstance(self.drafter, HeadProposer):
                 d1, d8 = self.drafter.calibrate()
             elif self.drafter is not None:
                 d_runner, d_blocks = self.drafter.runner, (self.drafter.draft_kv or kv).pool.num_blocks
@@ -209,7 +211,7 @@ class Speculator:
         """Learn from `step`, then draft the next step's proposals for the decoding sequences of `running`
         (`queued_tokens`: prompt tokens still to compute, which share the next steps). Returns each sequence's
         proposals, cut to what its grammar allows, and the parents of those that form a draft tree."""
-        if isinstance(self.drafter, Eagle3Proposer):
+        if isinstance(self.drafter, HeadProposer):
             self.drafter.record(step.sched, step.rejected, step.aux_hidden, step.tree_paths)
         if step.verified is not None:
             self._count(step.verified, step.appended)
@@ -254,7 +256,7 @@ class Speculator:
         assert self.drafter is not None
         tree_parents: list[list[int]] = [[] for _ in rows]
         seqs, row_ks = [r[0] for r in rows], [r[1] for r in rows]
-        if isinstance(self.drafter, Eagle3Proposer):
+        if isinstance(self.drafter, HeadProposer):
             tokens, probs, tree_parents = self.drafter.propose(seqs, row_ks, [r[2] for r in rows])
         else:
             tokens, probs = self.drafter.propose(seqs, row_ks)
@@ -311,20 +313,33 @@ def _load_draft_model(cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheMa
     return ModelDraftProposer(runner, kv, draft_kv, None)
 
 
-def _load_eagle3(cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager) -> Eagle3Proposer:
+def _load_head(cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager,
+               target_files: ModelFiles | None) -> HeadProposer:
+    """An EAGLE-3 head from its folder, or the target checkpoint's MTP layer, drafting over the target's states."""
     from pagoda.model.llama import LlamaForCausalLM
-    from pagoda.spec_decode.eagle3_head import load_head
 
-    assert cfg.model is not None
     if not isinstance(target, ModelRunner):
-        raise ValueError("speculative_config: method 'eagle3' runs with tensor_parallel_size 1")
+        raise ValueError(f"speculative_config: method {cfg.method!r} runs with tensor_parallel_size 1")
     model = target.model
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
-        raise ValueError(f"speculative_config: method 'eagle3' drafts for Llama-family targets, not "
+        raise ValueError(f"speculative_config: method {cfg.method!r} drafts for Llama-family targets, not "
                          f"{target.args.architecture}")
-    head = load_head(cfg.model, target.args, model.embed_tokens, target.dtype, target.policy)
-    model.aux_layers = head.config.aux_layers
-    return Eagle3Proposer(head, kv.pool.num_blocks, kv.block_size, target.args.vocab_size)
+    head: DraftHead
+    if cfg.method == "mtp":
+        from pagoda.spec_decode.mtp import load_mtp_head
+
+        assert target_files is not None
+        head = load_mtp_head(target_files, model, target.dtype, target.policy,
+                             target.config.scheduler.max_model_len)
+        model.aux_output = True
+    else:
+        from pagoda.spec_decode.eagle3_head import load_head
+
+        assert cfg.model is not None
+        eagle = load_head(cfg.model, target.args, model.embed_tokens, target.dtype, target.policy)
+        model.aux_layers = eagle.config.aux_layers
+        head = eagle
+    return HeadProposer(head, kv.pool.num_blocks, kv.block_size, target.args.vocab_size)
 
 
 def _grammar_prefix(seq: Sequence, proposal: list[int]) -> list[int]:

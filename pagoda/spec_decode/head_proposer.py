@@ -1,19 +1,22 @@
-"""EAGLE-3 drafting: a one-layer head over the target's own hidden states (eagle3_head.py), chain drafts.
+"""Drafting with a one-layer head over the target's own hidden states, as chains or draft trees: an EAGLE-3 head
+(eagle3_head.py) or a checkpoint's MTP layer (mtp.py), both a DraftHead.
 
-The target's forward keeps the residual stream entering three of its layers (LlamaForCausalLM.aux_layers) at
-every token, in the same pass. After each step, once the scheduler has rolled rejected tokens back, each
-sequence keeps the states of the positions that became valid. When it next drafts, the head first catches up
-over them: at position p it reads the target's states at p and the token at p + 1, writing its one layer's KV
-into a small pool beside the target's. The last of these rows predicts the first draft; each further draft is
-one pass over the head's own previous state and draft token. A chain's KV (positions past the target's) is
-speculative, and the next catch-up writes over it with what the target verified. A sequence that does not
-draft (the adaptive controller finds it does not pay, as in large batches) costs the head nothing.
+The target's forward keeps the states the head reads at every token, in the same pass: the residual stream
+entering three of its layers for EAGLE-3 (LlamaForCausalLM.aux_layers), its normed output for MTP (aux_output).
+After each step, once the scheduler has rolled rejected tokens back, each sequence keeps the states of the
+positions that became valid. When it next drafts, the head first catches up over them: at position p it reads
+the target's states at p and the token at p + 1, writing its one layer's KV into a small pool beside the
+target's. The last of these rows predicts the first draft; each further draft is one pass over the head's own
+previous state and draft token. A chain's KV (positions past the target's) is speculative, and the next catch-up
+writes over it with what the target verified. A sequence that does not draft (the adaptive controller finds it
+does not pay, as in large batches) costs the head nothing.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -22,7 +25,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Sequence
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.model_runner import FlatBatch
-from pagoda.spec_decode.eagle3_head import Eagle3Head
+from pagoda.kernels.paged_attention import AttentionMetadata
 
 _CPU = torch.device("cpu")
 # Target states a sequence keeps for its next catch-up. Past this the oldest are dropped, and the head starts
@@ -46,15 +49,34 @@ class _SeqState:
         return self.computed + self.num_pending
 
 
-class Eagle3Proposer:
-    def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int, vocab_size: int) -> None:
+class DraftHead(Protocol):
+    """What the proposer needs of a head (Eagle3Head, MtpHead)."""
+
+    hidden_size: int
+    draft_vocab_size: int  # the rows of its logits (d2t maps them to the target's ids)
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def __call__(self, input_ids: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, from_target: bool) -> torch.Tensor: ...
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor: ...
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None: ...
+
+
+class HeadProposer:
+    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, vocab_size: int) -> None:
         self.head = head
         self.block_size = block_size
         self.vocab_size = vocab_size
         head.allocate_kv(num_blocks, block_size)
         self.draft_kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, _SeqState] = {}
-        self.target_ids = head.to_target(torch.arange(head.config.draft_vocab_size))  # draft id -> target id
+        self.target_ids = head.to_target(torch.arange(head.draft_vocab_size))  # draft id -> target id
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def release_except(self, live: set[int]) -> None:
@@ -238,7 +260,7 @@ class Eagle3Proposer:
     def calibrate(self, reps: int = 5) -> tuple[float, float]:
         """Seconds of one chain pass over 1 and over 8 rows (best of `reps`), in blocks all free at start-up."""
         h = self.head.hidden_size
-        dtype = self.head.norm.weight.dtype
+        dtype = self.head.dtype
         best = [float("inf"), float("inf")]
         for rep in range(reps + 1):
             for i, rows in enumerate((1, 8)):
