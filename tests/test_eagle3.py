@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import build_tiny_eagle3_head, build_tiny_model
+from tiny_models import build_tiny_eagle3_head, build_tiny_model, record_proposals
 
 from pagoda import LLM, SamplingParams
 from pagoda.executor.model_runner import FlatBatch
@@ -82,15 +82,7 @@ def test_incremental_drafts_equal_drafts_from_the_whole_history(tiny6, head6, de
                                   "adaptive": False, "speculative_token_tree": tree})
     spec = llm.engine.speculator
     proposer: HeadProposer = spec.drafter
-    seen: list[tuple[list[int], int, list[int]]] = []
-    propose = proposer.propose
-
-    def recording(seqs, ks, trees=None):
-        drafts, probs, parents = propose(seqs, ks, trees)
-        seen.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, ks, drafts) if d)
-        return drafts, probs, parents
-
-    proposer.propose = recording
+    seen = record_proposals(proposer)
     prompts = [[5, 6, 7, 8] * 5, list(range(10, 33)), [1, 2, 3]]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert len(seen) >= 6

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_glm4_moe, build_tiny_model, greedy_tokens
+from tiny_models import build_tiny_glm4_moe, build_tiny_model, greedy_tokens, record_proposals
 
 from pagoda import LLM, SamplingParams
-from pagoda.spec_decode.head_proposer import HeadProposer
 
 BLOCK = 4
 TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
@@ -75,16 +74,7 @@ def test_mtp_drafts_are_transformers_mtp_layer_from_the_whole_history(glm, defau
     the accepted positions) equals the drafts computed from scratch by transformers' layers."""
     llm = LLM(glm, tokenizer=default_gguf, dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
               speculative_config=mtp_config(None))
-    proposer: HeadProposer = llm.engine.speculator.drafter
-    seen: list[tuple[list[int], int, list[int]]] = []
-    propose = proposer.propose
-
-    def recording(seqs, ks, trees=None):
-        drafts, probs, parents = propose(seqs, ks, trees)
-        seen.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, ks, drafts) if d)
-        return drafts, probs, parents
-
-    proposer.propose = recording
+    seen = record_proposals(llm.engine.speculator.drafter)
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(seen) >= 6
     for i, (tokens, k, drafts) in enumerate(seen[::3]):

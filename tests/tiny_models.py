@@ -123,6 +123,21 @@ def build_tiny_glm4_moe(path: Path, mtp: bool = True, **overrides) -> Path:
     return path
 
 
+def record_proposals(proposer: Any) -> list[tuple[list[int], int, list[int]]]:
+    """Wrap a HeadProposer's propose() so that each draft it makes is appended, as (the sequence's tokens then,
+    k, the proposals), to the returned list."""
+    seen: list[tuple[list[int], int, list[int]]] = []
+    propose = proposer.propose
+
+    def recording(seqs, ks, trees=None):
+        drafts, probs, parents = propose(seqs, ks, trees)
+        seen.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, ks, drafts) if d)
+        return drafts, probs, parents
+
+    proposer.propose = recording
+    return seen
+
+
 # ---- the two sides of the comparisons ---------------------------------------------------------------------------
 
 
