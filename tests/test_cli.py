@@ -433,8 +433,9 @@ def test_quantized_checkpoint_files_honor_the_umask(tiny_llama_byte_tokenizer, t
 @pytest.mark.parametrize("argv, first", [
     (["eval", "perplexity", "--text", "pagoda/bench/corpus/GPL-3", "--max-text-tokens", "300", "--max-length", "128",
       "--stride", "64"], "pagoda eval perplexity: 300 tokens in windows of 128 ..."),
-    (["bench", "structured", "--num-prompts", "4", "--concurrency", "4", "--max-tokens", "8",
-      "--jump-forward-rounds", "1"], "pagoda bench structured: concurrency 4, constrained, 4 requests ..."),
+    pytest.param(["bench", "structured", "--num-prompts", "4", "--concurrency", "4", "--max-tokens", "8",
+                  "--jump-forward-rounds", "1"], "pagoda bench structured: concurrency 4, constrained, 4 requests ...",
+                 marks=pytest.mark.long),
 ])
 def test_long_commands_say_what_they_do_and_show_progress(argv, first):
     r = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", *argv, "--dtype", "float32",

@@ -161,6 +161,7 @@ def test_training_writes_the_head_and_resumes_from_its_last_checkpoint(looping_t
         train(_options(looping_target, corpus, out, max_steps=9, lr=1e-2), LLM)
 
 
+@pytest.mark.long
 def test_self_distilled_head_reaches_the_acceptance_bar(looping_target: Path, tmp_path: Path) -> None:
     """The issue's bar: a mean acceptance length above 1.5 on held-out prompts' greedy continuations (an
     untrained head's is 1.0: the smoke test's 5 steps leave it there)."""

@@ -40,6 +40,7 @@ def _build(src: Path, build_dir: Path, **kw) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
+@pytest.mark.long
 def test_a_build_killed_mid_compile_is_redone_by_the_next_process(tmp_path):
     src = tmp_path / "tiny.cpp"
     src.write_text(TINY_CPP)

@@ -29,7 +29,8 @@ I8_CHECKS = 3  # and the INT4 x INT8-activation kernel at 3 row counts, where th
 
 
 @pytest.mark.skipif(shutil.which(CXX) is None, reason=f"{CXX} not installed (scripts/install.sh installs it)")
-@pytest.mark.parametrize("march", [pytest.param("armv8-a", marks=pytest.mark.slow), "armv8.6-a+bf16+i8mm+dotprod+fp16"])
+@pytest.mark.parametrize("march", [pytest.param("armv8-a", marks=pytest.mark.slow),
+                                   pytest.param("armv8.6-a+bf16+i8mm+dotprod+fp16", marks=pytest.mark.long)])
 def test_every_kernel_source_compiles_for_aarch64(march: str) -> None:
     flags = ["-std=c++20", "-fsyntax-only", f"-march={march}", *cpu_extension.cflags("native")[1:],
              "-DTORCH_EXTENSION_NAME=pagoda_cpu_kernels", "-DTORCH_API_INCLUDE_EXTENSION_H"]

@@ -39,6 +39,7 @@ def assert_passed_on_avx2(r: subprocess.CompletedProcess) -> None:
     assert "pagoda C++ kernels: avx2 build, kernel set avx2 " in out, out[:2000]  # conftest's header: no fallback
 
 
+@pytest.mark.long
 @needs_v3
 def test_kernel_tests_pass_on_the_avx2_build():
     assert_passed_on_avx2(run_pytest_avx2(*KERNEL_TESTS))

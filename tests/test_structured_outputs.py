@@ -162,6 +162,7 @@ def test_a_complete_constraint_ends_even_below_min_tokens(smollm_llm: LLM) -> No
     assert out.error is None and out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.long
 def test_bench_structured_reports_both_runs(tmp_path) -> None:
     from pagoda.entrypoints.cli import main
 

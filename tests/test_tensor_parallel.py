@@ -278,6 +278,7 @@ def test_tp2_engine_quantized_and_speculative(default_gguf: str, engines, kw: di
         assert top[w.token_ids[split]].logprob - top[g[split]].logprob <= 0.5, (split, top)
 
 
+@pytest.mark.long
 def test_a_killed_rank_ends_the_engine_with_a_clear_error(default_gguf: str, engines) -> None:
     llm = engines(default_gguf, tensor_parallel_size=2, dtype="float32")
     assert tokens(greedy(llm, max_tokens=2))
@@ -336,6 +337,7 @@ def _run_tp_script(model: str, tmp_path: Path, *, stdin: bool, hook: str | None 
     return out.stdout + out.stderr, time.monotonic() - t0
 
 
+@pytest.mark.long
 def test_a_rank_that_cannot_import_fails_the_caller_within_seconds(default_gguf: str, tmp_path: Path) -> None:
     out, seconds = _run_tp_script(default_gguf, tmp_path, stdin=False, hook=_BREAK_RANK_IMPORT)
     assert "WorkerDiedError after" in out, out
@@ -344,6 +346,7 @@ def test_a_rank_that_cannot_import_fails_the_caller_within_seconds(default_gguf:
     assert seconds < 60
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("stdin", [True, False], ids=["script-from-stdin", "script-without-main-guard"])
 def test_tp_starts_from_any_main_script(default_gguf: str, tmp_path: Path, stdin: bool) -> None:
     out, _ = _run_tp_script(default_gguf, tmp_path, stdin=stdin)

@@ -58,6 +58,7 @@ def results(client: openai.OpenAI, file_id: str) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
+@pytest.mark.long
 def test_a_killed_server_resumes_its_job_answering_every_line_exactly_once(tmp_path: Path) -> None:
     flags = (*FLAGS, "--batch-dir", str(tmp_path), "--api-key", "k")
     lines = job_lines(200, max_tokens=24)

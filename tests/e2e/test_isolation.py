@@ -330,6 +330,7 @@ def test_large_bodies_never_stall_streams_or_health(server: ServerProcess) -> No
           f"{max(health) * 1000:.0f} ms over {len(health)} probes, RSS {rss_before:.0f} -> {rss_after:.0f} MB")
 
 
+@pytest.mark.long
 def test_sigterm_ends_in_flight_work_at_the_drain_timeout_with_errors() -> None:
     """Non-streaming and streaming requests that cannot finish within --drain-timeout get a JSON 503 and a
     final SSE error event, a grammar still compiling is killed and its request gets a JSON 503 too, and the

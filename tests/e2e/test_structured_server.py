@@ -144,6 +144,7 @@ def test_logit_bias_through_the_client(server: ServerProcess, client: openai.Ope
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
+@pytest.mark.long
 def test_bench_serve_json_schema_against_the_server(server: ServerProcess, tmp_path) -> None:  # noqa: ANN001
     """`pagoda bench serve --dataset json-schema`: every output validates, the unconstrained twin run
     generates exactly as many tokens, and new and cached schemas' TTFT are reported."""

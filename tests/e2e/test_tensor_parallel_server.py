@@ -37,6 +37,7 @@ def test_chat_and_stream_equal_one_process(tp_server: ServerProcess, default_ggu
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
 
 
+@pytest.mark.long
 def test_a_stopped_rank_makes_health_503_until_it_resumes(tp_server: ServerProcess) -> None:
     """SIGSTOP on rank 1 mid-stream: /health turns 503 once a step has run past --step-timeout, and 200 again
     after SIGCONT, when the stream finishes with every token."""
@@ -79,6 +80,7 @@ def test_a_dead_rank_turns_the_server_into_503s(tp_server: ServerProcess) -> Non
     assert err.value.status_code == 503
 
 
+@pytest.mark.long
 def test_torchrun_ranks_serve_over_loopback() -> None:
     """The multi-host launch, on one host: torchrun starts both ranks with the same command; rank 0 serves, rank 1
     runs its shard, and their collectives go through torch.distributed (gloo) on 127.0.0.1."""
