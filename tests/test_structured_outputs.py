@@ -137,6 +137,7 @@ _schema = st.recursive(_leaf, lambda inner: st.one_of(
     inner.map(lambda item: {"type": "array", "items": item, "minItems": 1, "maxItems": 2})), max_leaves=5)
 
 
+@pytest.mark.long
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=_schema, seed=st.integers(0, 2**16))
 def test_any_generated_schema_gives_valid_output(smollm_llm: LLM, schema: dict, seed: int) -> None:

@@ -188,6 +188,7 @@ def test_a_split_inside_a_quantization_group_is_refused(tmp_path: Path) -> None:
         run_sharded(model, 3, dtype="float32", quantization="int4", quantization_group_size=128)
 
 
+@pytest.mark.long
 def test_bfloat16_stays_as_close_to_fp32_as_one_process(default_gguf: str) -> None:
     """bf16 rounds each rank's partial sums: TP=2's distance to the fp32 logits is the single process's, give or
     take rounding noise, on the real embedded model (9 heads over 2 ranks: 6 and 3)."""
@@ -254,6 +255,7 @@ def test_tp2_engine_equals_one_process(default_gguf: str, engines) -> None:
     assert tokens(again) == tokens(want)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kw", [dict(dtype="bfloat16", quantization="gguf"),
                                 dict(dtype="float32", quantization="int4",
                                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})],

@@ -202,6 +202,7 @@ def test_a_batch_whose_client_left_is_aborted_whole_and_counted(server: ServerPr
     assert _gauge(server, "pagoda:request_success_total", finished_reason="abort") - before == MAX_WAITING
 
 
+@pytest.mark.long
 def test_one_request_holding_every_seat_yields_one_to_a_newcomer(server: ServerProcess) -> None:
     """n = max_num_seqs takes every seat; a 4-token request from another user still gets one within a step
     or two and finishes long before the hog does (the scheduler's fairness rule)."""

@@ -69,6 +69,7 @@ def test_parse_with_a_pydantic_model_returns_valid_objects(client: openai.OpenAI
         jsonschema.validate(json.loads(message.content), schema)
 
 
+@pytest.mark.long
 def test_json_object_streamed_assembles_to_an_object(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "A JSON object about cats, please."}],
