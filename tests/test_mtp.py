@@ -107,3 +107,21 @@ def test_mtp_is_refused_without_mtp_layers(glm, default_gguf, tmp_path):
     LLM(str(stripped), tokenizer=default_gguf)
     with pytest.raises(ValueError, match=r"the MTP layer is missing \d+ weight\(s\), e\.g\. \['layers\.3\."):
         LLM(str(stripped), tokenizer=default_gguf, speculative_config=mtp_config(None))
+
+
+def test_an_mtp_layer_storing_its_own_embedding_uses_the_targets(glm, default_gguf, tmp_path):
+    """DeepSeek-V3's layout stores a copy of the embedding in the MTP layer: it is checked, not loaded twice."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "with_embed"
+    shutil.copytree(glm, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    want = greedy_tokens(LLM(glm, tokenizer=default_gguf, dtype="float32"), PROMPTS, 12)
+    llm = LLM(str(folder), tokenizer=default_gguf, dtype="float32", speculative_config=mtp_config(None))
+    assert greedy_tokens(llm, PROMPTS, 12) == want
+    head = llm.engine.speculator.drafter.head
+    assert not any("embed" in name for name, _ in head.named_parameters())

@@ -49,7 +49,7 @@ def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormal
     best biased scores sum highest; the weights are the chosen experts' unbiased scores, renormalized to sum to
     one (`renormalize`: norm_topk_prob) and scaled."""
     scores = logits.float().sigmoid()
-    choice = scores + bias.float()
+    choice = scores + bias
     t, e = choice.shape
     groups = choice.view(t, g.n_group, e // g.n_group)
     best = groups.topk(2, dim=-1).values.sum(dim=-1) if e // g.n_group > 1 else groups[..., 0]
@@ -63,20 +63,14 @@ def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormal
 
 
 class Expert(nn.Module):
-    """One expert's SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused as in LlamaMLP."""
+    """One expert's SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused as in LlamaMLP. Routed experts run
+    in the experts op or moe_reference; GLM-4.5's shared experts (one MLP n_shared_experts times an expert's
+    width) run as a module, every token, unweighted."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-
-class SharedExpert(Expert):
-    """GLM-4.5's shared experts as one SwiGLU MLP (n_shared_experts times an expert's width) that every token runs
-    beside its routed experts, unweighted."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__(hidden_size, intermediate_size)
         self.act = silu_and_mul
 
     def bind_ops(self, cpp: bool) -> None:
@@ -156,13 +150,14 @@ class SparseMoeBlock(nn.Module):
         if grouped is not None:  # loaded as a weight (a parameter), never trained
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
-        self.shared_experts = SharedExpert(hidden_size, shared_intermediate) if shared_intermediate else None
+        self.shared_experts = Expert(hidden_size, shared_intermediate) if shared_intermediate else None
         self.top_k = top_k
         self.renormalize = renormalize
         self.round_weights = round_weights
         self.grouped = grouped
         self.act = silu_and_mul  # moe_reference's activation, where the C++ experts op does not run (bind_ops)
         self.op: ExpertsOp | None = None
+        self.router_fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # grouped routing's weight and bias
 
     def bind_ops(self, cpp: bool) -> None:
         """At the model's prepare(): the C++ kernel (`cpp`: its KernelPolicy's choice) or torch's twin."""
@@ -171,11 +166,13 @@ class SparseMoeBlock(nn.Module):
     def prepare_experts(self, policy: KernelPolicy) -> None:
         """After the experts' Linears chose their kernels: gather them for the C++ op under `policy`."""
         self.op = ExpertsOp.build(list(self.experts)) if policy.cpp else None
+        if self.grouped is not None:  # transformers routes in fp32: cast the router once, not every step
+            self.router_fp32 = (self.gate.weight.detach().float(), self.gate.e_score_correction_bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grouped is not None:  # its router runs in fp32, as transformers' does
-            weights, ids = route_grouped(F.linear(x.float(), self.gate.weight.float()),
-                                         self.gate.e_score_correction_bias, self.top_k, self.renormalize,
+        if self.grouped is not None:
+            weight, bias = self.router_fp32 or (self.gate.weight.float(), self.gate.e_score_correction_bias.float())
+            weights, ids = route_grouped(F.linear(x.float(), weight), bias, self.top_k, self.renormalize,
                                          self.grouped)
         else:
             weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)

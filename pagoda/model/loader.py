@@ -10,7 +10,7 @@ import glob
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,13 +42,10 @@ class ModelFiles:
         """Folder holding the model (tokenizer files live here for HF folders)."""
         return self.source if self.kind == "hf" else os.path.dirname(os.path.abspath(self.source))
 
-    def tensor_names(self, prefix: str = "") -> list[str]:
-        """The names of a safetensors folder's tensors that start with `prefix` (headers only)."""
-        return [n for path in self.weight_files for n in read_safetensors_header(path) if n.startswith(prefix)]
-
-    def iter_weights(self, dtype: torch.dtype = torch.float32, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, tensor converted to `dtype`); lm_head is omitted when tied. `prefix`: only
-        the tensors whose names start with it, the others left unread (safetensors folders)."""
+    def iter_weights(self, dtype: torch.dtype = torch.float32,
+                     select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, tensor converted to `dtype`); lm_head is omitted when tied. `select`: only
+        the tensors whose names it accepts, the others left unread (safetensors folders)."""
         if self.kind == "gguf":
             from pagoda.model.gguf_loader import iter_gguf_weights, split_experts
 
@@ -61,7 +58,7 @@ class ModelFiles:
             try:
                 with safe_open(path, framework="pt", device="cpu") as f:
                     for name in f.keys():
-                        if not name.startswith(prefix):
+                        if select is not None and not select(name):
                             continue
                         # Buffers some exporters persist; recomputed by the model, not parameters.
                         if name.endswith("rotary_emb.inv_freq"):

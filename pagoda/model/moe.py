@@ -96,7 +96,7 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
     def mtp_weight_shapes(cls, a: ModelArgs, index: int = 0) -> dict[str, tuple[int, ...]]:
         """MTP layer `index`'s weights (HF names, without "model."): a sparse decoder layer as the others, and
         enorm, hnorm, eh_proj (the [embedding | target state] fusion) and shared_head.{norm,head} (as
-        vLLM's DeepSeek/GLM MTP reads them); embed_tokens, where stored, is the target's."""
+        vLLM's DeepSeek/GLM MTP reads them); embed_tokens, where stored, is a copy of the target's, not loaded."""
         moe = _moe(a)
         n, h = a.num_layers + index, a.hidden_size
         wide = dataclasses.replace(a, num_layers=n + 1, layer_windows=[0] * (n + 1),

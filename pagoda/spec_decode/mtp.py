@@ -39,7 +39,7 @@ class SharedHead(nn.Module):
 
 class MtpHead(LlamaDecoderLayer):
     """The MTP layer: a decoder layer (its self_attn, mlp and norms keep the checkpoint's names) with the fusion
-    in front and the shared head behind. `embed` is the target's embedding unless the file stores its own."""
+    in front and the shared head behind; `embed` is the target's embedding."""
 
     # The target family's loading rules (q|k|v and gate|up fused, each part's rows) for the layer's names.
     packed_modules = LlamaForCausalLM.packed_modules
@@ -60,7 +60,6 @@ class MtpHead(LlamaDecoderLayer):
         self.hnorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.eh_proj = Linear(2 * a.hidden_size, a.hidden_size, bias=False)
         self.shared_head = SharedHead(a)
-        self.embed_tokens: nn.Embedding | None = None  # the file's own copy, where it has one
         self._target_embed = (embed,)  # a tuple: not registered as this module's own
 
     @property
@@ -68,7 +67,7 @@ class MtpHead(LlamaDecoderLayer):
         return self.enorm.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._target_embed[0](ids) if self.embed_tokens is None else self.embed_tokens(ids)
+        return self._target_embed[0](ids)
 
     def forward(self, input_ids: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 meta: AttentionMetadata, from_target: bool) -> torch.Tensor:
@@ -110,14 +109,11 @@ def load_mtp_head(files: ModelFiles, target: LlamaForCausalLM, dtype: torch.dtyp
     expected = type(target).mtp_weight_shapes(a)  # type: ignore[attr-defined]
     prefix = f"layers.{a.num_layers}."
     with torch.device("meta"):
-        head = MtpHead(a, target.layer_mlp(a, a.num_layers), target.embed_tokens,
-                       max_model_len)
-        stored_embed = any(k.endswith("embed_tokens.weight") for k in files.tensor_names(f"model.{prefix}"))
-        if stored_embed:
-            head.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        head = MtpHead(a, target.layer_mlp(a, a.num_layers), target.embed_tokens, max_model_len)
     head = head.to_empty(device="cpu")
-    weights = ((name.removeprefix("model.").removeprefix(prefix), w)
-               for name, w in files.iter_weights(torch.float32, prefix=f"model.{prefix}"))
+    # A stored embed_tokens is a copy of the target's (DeepSeek-V3's layout): the target's is used, not a second one.
+    weights = ((name.removeprefix("model.").removeprefix(prefix), w) for name, w in files.iter_weights(
+        torch.float32, lambda n: n.startswith(f"model.{prefix}") and not n.endswith("embed_tokens.weight")))
     loaded = head.load_weights(weights)
     missing = sorted(k for k in expected
                      if k.removeprefix(prefix) not in loaded and not k.endswith("embed_tokens.weight"))
