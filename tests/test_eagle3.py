@@ -36,7 +36,8 @@ def test_captured_states_are_transformers_hidden_states(tiny6, default_gguf):
     ids = [3, 9, 27, 5, 44, 12, 7, 7, 30, 2, 61]
     layers = default_aux_layers(6)
     llm = LLM(tiny6, tokenizer=default_gguf, dtype="float32", block_size=BLOCK)
-    aux, logits = llm.engine.runner.hidden_states(ids, layers)
+    aux, final = llm.engine.runner.hidden_states(ids, layers)
+    logits = llm.engine.runner.model.compute_logits(final)
     hf = AutoModelForCausalLM.from_pretrained(tiny6, torch_dtype=torch.float32)
     with torch.no_grad():
         out = hf(torch.tensor([ids]), output_hidden_states=True)

@@ -161,6 +161,34 @@ def test_training_writes_the_head_and_resumes_from_its_last_checkpoint(looping_t
         train(_options(looping_target, corpus, out, max_steps=9, lr=1e-2), LLM)
 
 
+def test_kept_teacher_outputs_train_the_same_head_without_the_target(looping_target: Path, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """Epochs after the first read the target's outputs kept from it: the head is bit for bit the one trained
+    with the target run again for every batch (--teacher-cache-gib 0), and the target runs once per sequence."""
+    from pagoda import LLM
+    from pagoda.executor.model_runner import ModelRunner
+    from pagoda.spec_decode.eagle3_train import lr_share, train
+
+    forwards: list[int] = []
+    real = ModelRunner.hidden_states
+    monkeypatch.setattr(ModelRunner, "hidden_states", lambda self, ids, layers: (forwards.append(len(ids)),
+                                                                                 real(self, ids, layers))[1])
+    corpus = _corpus(tmp_path / "corpus.txt", 20)  # 16 training lines: 4 batches an epoch
+    heads, calls = [], []
+    for gib in (0.0, 4.0):
+        forwards.clear()
+        report = train(_options(looping_target, corpus, tmp_path / f"out{gib}", max_steps=10, teacher_cache_gib=gib),
+                       LLM)
+        assert report["epochs"] == 2.5
+        heads.append(load_file(str(tmp_path / f"out{gib}" / WEIGHTS_FILE)))
+        calls.append(len(forwards))
+    assert heads[0].keys() == heads[1].keys()
+    for name in heads[0]:
+        assert torch.equal(heads[0][name], heads[1][name]), name
+    assert calls[0] - calls[1] == 10 * 4 - 16  # the held-out report runs the target alike in both
+    assert lr_share(0) == 1 and lr_share(1) == pytest.approx(0.05) and lr_share(0.5) == pytest.approx(0.525)
+
+
 @pytest.mark.long
 def test_self_distilled_head_reaches_the_acceptance_bar(looping_target: Path, tmp_path: Path) -> None:
     """The issue's bar: a mean acceptance length above 1.5 on held-out prompts' greedy continuations (an

@@ -216,6 +216,9 @@ def add_train_eagle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
     p.add_argument("--eval-k", type=int, default=5, help="draft tokens per chain in the acceptance report")
+    p.add_argument("--teacher-cache-gib", type=float, default=4.0,
+                   help="memory for the target's outputs kept between epochs (about 16 bytes per hidden unit "
+                        "per token); sequences beyond it run the target again each epoch")
     add_engine_args(p, decoding=False)
 
 
@@ -229,6 +232,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                         draft_vocab_size=args.draft_vocab_size, seq_len=args.seq_len, gen_tokens=args.gen_tokens,
                         holdout=args.holdout, batch_size=args.batch_size, lr=args.lr,
                         checkpoint_every=args.checkpoint_every, eval_k=args.eval_k, seed=args.seed or 0,
+                        teacher_cache_gib=args.teacher_cache_gib,
                         engine=engine_kwargs(args))
     from pagoda.entrypoints.llm import LLM
 

@@ -232,7 +232,8 @@ class ModelRunner:
     def hidden_states(self, token_ids: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """One whole sequence through the model in one forward, written into the pool's first blocks (scratch:
         for offline use, with nothing else running): the residual stream entering each of `layers`, side by
-        side [T, len(layers) * hidden], and fp32 logits at every position [T, V]."""
+        side [T, len(layers) * hidden], and the final normed states [T, hidden] (model.compute_logits of them
+        are the logits)."""
         n_blocks = -(-len(token_ids) // self.block_size)
         if n_blocks > self.kv_caches[0][0].shape[0]:
             raise ValueError(f"{len(token_ids)} tokens do not fit the KV pool")
@@ -247,7 +248,7 @@ class ModelRunner:
         finally:
             model.aux_layers = saved
         assert aux is not None
-        return aux, model.compute_logits(hidden)
+        return aux, hidden
 
 
 @dataclass

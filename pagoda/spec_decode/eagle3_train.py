@@ -1,10 +1,11 @@
 """`pagoda train-eagle`: train an EAGLE-3 head for a target on a CPU, within a time budget.
 
 The data is the target's own greedy continuations of the corpus lines (self-distillation, as SpecForge does) or
-the corpus text itself. For each batch the target's Pagoda runner gives the states the head reads at inference
-(ModelRunner.hidden_states) and its logits, the teacher; the head (eagle3_ttt.py) learns them with training-time
-test. The output folder holds the head in the published format, resumable checkpoints, and a report of the head's
-acceptance on held-out lines. docs/eagle.md describes the command and its files.
+the corpus text itself. For each sequence the target's Pagoda runner gives the states the head reads at inference
+(ModelRunner.hidden_states) and its logits, the teacher (Teacher, which keeps them for the later epochs); the head
+(eagle3_ttt.py) learns them with training-time test, the learning rate decaying over the time budget. The output
+folder holds the head in the published format, resumable checkpoints, and a report of the head's acceptance on
+held-out lines. docs/eagle.md describes the command and its files.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ DATA_MODES = ("self", "corpus")
 GENERATION_SHARE = 0.5
 GENERATION_CHUNK = 64  # prompts per generate call: each chunk is cached before the next starts
 GRAD_CLIP = 0.5        # SpecForge's
+MIN_LR_SHARE = 0.05    # of --lr, at the end of the budget
 
 
 @dataclass
@@ -55,6 +57,7 @@ class TrainOptions:
     seed: int = 0
     engine: dict[str, Any] = field(default_factory=dict)  # the target's LLM(...) keyword arguments
     max_steps: int | None = None         # optimizer steps over all runs (tests)
+    teacher_cache_gib: float = 4.0       # the target's outputs kept in memory for later epochs
     progress: bool = True
 
     def check(self) -> None:
@@ -64,6 +67,8 @@ class TrainOptions:
         for name in ("epochs", "ttt_steps", "seq_len", "gen_tokens", "batch_size", "checkpoint_every", "eval_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.teacher_cache_gib < 0:
+            raise ValueError(f"teacher_cache_gib must be at least 0; got {self.teacher_cache_gib}")
         if not 0 < self.holdout < 1:
             raise ValueError(f"holdout must be a share between 0 and 1; got {self.holdout}")
         if self.data == "self" and self.seq_len <= self.gen_tokens:
@@ -91,7 +96,80 @@ class Batch:
     ids: torch.Tensor       # [B, L] padded with 0
     target_p: torch.Tensor  # [B, L, draft_vocab] the target's next-token distribution, within the draft vocabulary
     valid: torch.Tensor     # [B, L] in the sequence, and the target's top token is one the head can draft
-    logits: list[torch.Tensor]  # each sequence's full fp32 target logits [L_i, V] (the greedy labels of corpus data)
+    greedy: torch.Tensor    # [B, L] the target's top token over its whole vocabulary (corpus data's greedy labels)
+
+
+@dataclass
+class Taught:
+    """One sequence's forward through the target: the states the head reads, the final states the teacher's
+    logits come from (model.compute_logits of them), and its top token over the whole vocabulary."""
+    aux: torch.Tensor     # [L, 3 * H_target]
+    final: torch.Tensor   # [L, H_target]
+    greedy: torch.Tensor  # [L]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.aux, self.final, self.greedy))
+
+
+class Teacher:
+    """The target's outputs for training sequences, one forward each. The first `cache_bytes` of them are kept
+    for later epochs, which then run no target forward: the target's logits are recomputed from its final states
+    (its LM head's rows of the draft vocabulary, not the whole model), so what is kept stays small."""
+
+    def __init__(self, runner: Any, layers: tuple[int, ...], d2t: torch.Tensor, cache_bytes: int) -> None:
+        self.runner, self.layers, self.cache_bytes = runner, layers, cache_bytes
+        self.draft_ids = torch.arange(len(d2t)) + d2t
+        self.t2d = torch.zeros(runner.args.vocab_size, dtype=torch.bool)
+        self.t2d[self.draft_ids] = True
+        with torch.no_grad():
+            self.rows = _target_rows(runner.model, self.draft_ids)  # None: the whole LM head runs instead
+        self.kept: dict[int, Taught] = {}
+        self.kept_bytes = 0
+
+    def forward(self, s: Sample, key: int | None) -> Taught:
+        """`s` through the target, or what was kept under `key` (None: neither kept nor looked up)."""
+        taught = self.kept.get(key) if key is not None else None
+        if taught is None:
+            aux, final = self.runner.hidden_states(s.ids, self.layers)
+            # Copies: the runner's outputs are inference tensors in its scratch space.
+            taught = Taught(aux.clone(), final.clone(), self._logits(final).argmax(-1))
+            if key is not None and self.kept_bytes + taught.nbytes <= self.cache_bytes:
+                self.kept[key] = taught
+                self.kept_bytes += taught.nbytes
+        return taught
+
+    def batch(self, samples: list[Sample], keys: list[int] | None = None) -> Batch:
+        """The target's states and distributions for a batch of sequences (keys: their indices, for keeping)."""
+        b, length = len(samples), max(len(s.ids) for s in samples)
+        batch = Batch(torch.zeros(b, length, len(self.layers) * self.runner.args.hidden_size),
+                      torch.zeros(b, length, dtype=torch.int64), torch.zeros(b, length, len(self.draft_ids)),
+                      torch.zeros(b, length, dtype=torch.bool), torch.zeros(b, length, dtype=torch.int64))
+        for i, s in enumerate(samples):
+            taught = self.forward(s, keys[i] if keys is not None else None)
+            n = len(s.ids)
+            batch.aux[i, :n] = taught.aux  # copies into tensors autograd may save
+            batch.ids[i, :n] = torch.tensor(s.ids)
+            with torch.no_grad():
+                if self.rows is not None:
+                    draft_logits = taught.final.float() @ self.rows.T
+                else:
+                    draft_logits = self._logits(taught.final)[:, self.draft_ids]
+                batch.target_p[i, :n] = torch.softmax(draft_logits, dim=-1)
+            batch.greedy[i, :n] = taught.greedy
+            # A position whose top token is outside the draft vocabulary would teach a renormalized remainder.
+            batch.valid[i, :n] = self.t2d[taught.greedy]
+        return batch
+
+    @torch.no_grad()
+    def _logits(self, final: torch.Tensor) -> torch.Tensor:
+        return self.runner.model.compute_logits(final)
+
+
+def lr_share(progress: float) -> float:
+    """The learning rate's share of --lr at `progress` (0..1) through the budget: a cosine from 1 down to
+    MIN_LR_SHARE."""
+    return MIN_LR_SHARE + (1 - MIN_LR_SHARE) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
 
 
 def read_corpus(path: str | Path) -> list[str]:
@@ -183,27 +261,6 @@ def draft_vocab(samples: list[Sample], vocab_size: int, size: int, keep: set[int
     counts[[t for t in keep if t < vocab_size]] = math.inf
     chosen = torch.argsort(-counts, stable=True)[:size].sort().values
     return chosen - torch.arange(size)
-
-
-def teach(runner: Any, layers: tuple[int, ...], samples: list[Sample], d2t: torch.Tensor) -> Batch:
-    """The target's states and distributions for a batch of sequences, one forward each."""
-    draft_ids = torch.arange(len(d2t)) + d2t
-    t2d = torch.zeros(runner.args.vocab_size, dtype=torch.bool)
-    t2d[draft_ids] = True
-    b, length = len(samples), max(len(s.ids) for s in samples)
-    batch = Batch(torch.zeros(b, length, len(layers) * runner.args.hidden_size),
-                  torch.zeros(b, length, dtype=torch.int64), torch.zeros(b, length, len(d2t)),
-                  torch.zeros(b, length, dtype=torch.bool), [])
-    for i, s in enumerate(samples):
-        aux, logits = runner.hidden_states(s.ids, layers)
-        n = len(s.ids)
-        batch.aux[i, :n] = aux  # copies: the runner's outputs are inference tensors, which autograd cannot save
-        batch.ids[i, :n] = torch.tensor(s.ids)
-        batch.target_p[i, :n] = torch.softmax(logits[:, draft_ids], dim=-1)
-        # A position whose top token is outside the draft vocabulary would teach a renormalized remainder.
-        batch.valid[i, :n] = t2d[logits.argmax(-1)]
-        batch.logits.append(logits)
-    return batch
 
 
 def new_head(runner: Any, config: Eagle3Config, d2t: torch.Tensor, seed: int) -> DenseEagle3:
@@ -303,7 +360,7 @@ def _check_run(out: Path, opts: TrainOptions) -> None:
         path.write_text(json.dumps(want, indent=2) + "\n")
 
 
-def evaluate(runner: Any, head: DenseEagle3, samples: list[Sample], k: int) -> dict[str, Any]:
+def evaluate(teacher: Teacher, head: DenseEagle3, samples: list[Sample], k: int) -> dict[str, Any]:
     """Acceptance of greedy k-token chains at each anchor of the held-out samples: a draft counts while it and
     those before it equal the target's greedy tokens (self data: the continuation the target generated)."""
     rows = []
@@ -312,10 +369,10 @@ def evaluate(runner: Any, head: DenseEagle3, samples: list[Sample], k: int) -> d
         first = 0 if s.generated_from is None else max(s.generated_from - 1, 0)
         if first >= len(s.ids) - 1 - k:  # no anchor leaves room for k drafts and their labels
             continue
-        batch = teach(runner, head.config.aux_layers, [s], head.d2t)
+        batch = teacher.batch([s])
         ids = batch.ids[0]
         # Corpus data: the target's argmax after each true prefix (teacher forcing); self data: its own text.
-        greedy_next = batch.logits[0].argmax(-1) if s.generated_from is None else F.pad(ids[1:], (0, 1))
+        greedy_next = batch.greedy[0] if s.generated_from is None else F.pad(ids[1:], (0, 1))
         anchors = torch.arange(first, len(s.ids) - 1 - k)
         rows.append(chain_acceptance(head, batch.aux[0], ids, greedy_next, anchors, k))
     hits = torch.cat(rows) if rows else torch.zeros(0, k, dtype=torch.bool)
@@ -389,6 +446,7 @@ def train(opts: TrainOptions, llm_class: Callable[..., Any]) -> dict[str, Any]:
     head = new_head(runner, config, d2t, opts.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=opts.lr)
     state = load_checkpoint(out / "checkpoint", head, opt) or {"step": 0, "epoch": 0, "batch": 0, "tokens": 0}
+    teacher = Teacher(runner, config.aux_layers, head.d2t, int(opts.teacher_cache_gib * 2**30))
     resumed_from = state["step"]
     n_batches = -(-len(train_set) // opts.batch_size)
     loss_value: float | None = None
@@ -399,6 +457,10 @@ def train(opts: TrainOptions, llm_class: Callable[..., Any]) -> dict[str, Any]:
     def done() -> bool:
         return elapsed() >= budget or (opts.max_steps is not None and state["step"] >= opts.max_steps)
 
+    def progress() -> float:
+        """How far through the run, for the learning rate: by steps where a step count bounds it (tests)."""
+        return state["step"] / opts.max_steps if opts.max_steps else elapsed() / budget
+
     def checkpoint() -> None:
         save_checkpoint(out / "checkpoint", head, opt, args.vocab_size, {**state, "elapsed_s": elapsed()})
 
@@ -406,7 +468,10 @@ def train(opts: TrainOptions, llm_class: Callable[..., Any]) -> dict[str, Any]:
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(opts.seed + state["epoch"]))
         while state["batch"] < n_batches and not done():
             b = state["batch"] * opts.batch_size
-            batch = teach(runner, config.aux_layers, [train_set[i] for i in order[b:b + opts.batch_size]], head.d2t)
+            index = order[b:b + opts.batch_size].tolist()
+            batch = teacher.batch([train_set[i] for i in index], index)
+            for group in opt.param_groups:
+                group["lr"] = opts.lr * lr_share(progress())
             loss_value = train_step(head, opt, batch, opts.ttt_steps)
             tokens = int(batch.valid.sum())
             state["step"], state["batch"], state["tokens"] = state["step"] + 1, state["batch"] + 1, \
@@ -429,7 +494,7 @@ def train(opts: TrainOptions, llm_class: Callable[..., Any]) -> dict[str, Any]:
               "last_loss": loss_value, "elapsed_s": round(elapsed(), 1), "draft_vocab_size": size,
               "aux_layers": list(config.aux_layers), "options": {k: v for k, v in asdict(opts).items()
                                                                  if k not in ("engine", "progress")},
-              "acceptance": evaluate(runner, head, held, opts.eval_k)}
+              "acceptance": evaluate(teacher, head, held, opts.eval_k)}
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
