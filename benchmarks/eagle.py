@@ -1,6 +1,9 @@
 """EAGLE-3 against no speculation on open chat: `python -m benchmarks.eagle corpus FILE` writes the training
 prompts, `python -m benchmarks.eagle run --head DIR` measures.
 
+`python -m benchmarks.eagle train-step DIR` times train-eagle's optimizer step after the first epoch, the target's
+outputs kept against the target run for every batch, over a run's self-distilled data.
+
 `python -m benchmarks.eagle untrained DIR` writes a head with train-eagle's initial weights (a random layer, the
 target's LM-head rows) over a random draft vocabulary, which accepts almost nothing: `run` over it measures what
 a bad head costs, the case the adaptive controller must keep at no speculation's speed.
@@ -147,6 +150,42 @@ def untrained(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_step(args: argparse.Namespace) -> int:
+    """train-eagle's optimizer step after the first epoch, the target's outputs kept (Teacher with a cache)
+    against the target run again for every batch, alternated over the same batches of a run's data/self.jsonl."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from pagoda import LLM
+    from pagoda.spec_decode.eagle3_head import Eagle3Config
+    from pagoda.spec_decode.eagle3_train import Sample, Teacher, draft_vocab, new_head, train_step
+
+    runner = LLM(args.model, dtype=args.dtype, kv_cache_memory="256MiB").engine.runner
+    with open(Path(args.folder) / "data" / "self.jsonl") as f:
+        samples = [Sample(row["ids"], row["generated_from"]) for row in map(json.loads, f)][:args.batches * 4]
+    config = Eagle3Config.for_target(runner.args, args.draft_vocab_size)
+    head = new_head(runner, config, draft_vocab(samples, runner.args.vocab_size, args.draft_vocab_size, set()), 0)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    teachers = {"target every batch": Teacher(runner, config.aux_layers, head.d2t, 0),
+                "kept outputs": Teacher(runner, config.aux_layers, head.d2t, 1 << 40)}
+    batches = [list(range(i, min(i + 4, len(samples)))) for i in range(0, len(samples), 4)]
+    for index in batches:  # the first epoch, which fills the cache
+        teachers["kept outputs"].batch([samples[i] for i in index], index)
+    times: dict[str, list[float]] = {name: [] for name in teachers}
+    for _ in range(args.rounds):
+        for index in batches:
+            for name, teacher in teachers.items():
+                t0 = time.perf_counter()
+                train_step(head, opt, teacher.batch([samples[i] for i in index], index), 4)
+                times[name].append(time.perf_counter() - t0)
+    every, kept = (statistics.median(v) for v in times.values())
+    print(f"seconds per step (median of {len(times['kept outputs'])}): target every batch {every:.2f}, kept "
+          f"outputs {kept:.2f}: {every / kept:.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -168,12 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
     r.add_argument("--output-len", type=int, default=128)
     r.add_argument("--rounds", type=int, default=4)
+    t = sub.add_parser("train-step", help="train-eagle's step with the target's outputs kept against without")
+    t.add_argument("folder", help="a train-eagle --output folder with data/self.jsonl")
+    t.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    t.add_argument("--dtype", default="float32")
+    t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--batches", type=int, default=6, help="batches of 4 sequences")
+    t.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     if args.cmd == "corpus":
         with open(args.file, "w") as f:
             f.write("\n".join(prompts("train")) + "\n")
         return 0
-    return untrained(args) if args.cmd == "untrained" else run(args)
+    return {"untrained": untrained, "run": run, "train-step": train_step}[args.cmd](args)
 
 
 if __name__ == "__main__":
