@@ -204,6 +204,7 @@ def test_self_distilled_head_reaches_the_acceptance_bar(looping_target: Path, tm
 
 @pytest.mark.parametrize("flags,lines,message", [
     (["--ttt-steps", "0"], 10, "ttt_steps must be at least 1"),
+    (["--teacher-cache-gib", "-1"], 10, "teacher_cache_gib must be at least 0"),
     (["--data", "self", "--seq-len", "64", "--gen-tokens", "64"], 10, "seq_len 64 must exceed gen_tokens 64"),
     (["--holdout", "1"], 10, "holdout"),
     ([], 1, "at least 2 are needed"),
