@@ -153,18 +153,18 @@ def untrained(args: argparse.Namespace) -> int:
 def train_step(args: argparse.Namespace) -> int:
     """train-eagle's optimizer step after the first epoch, the target's outputs kept (Teacher with a cache)
     against the target run again for every batch, alternated over the same batches of a run's data/self.jsonl."""
-    import json
     from pathlib import Path
 
     import torch
 
     from pagoda import LLM
     from pagoda.spec_decode.eagle3_head import Eagle3Config
-    from pagoda.spec_decode.eagle3_train import Sample, Teacher, draft_vocab, new_head, train_step
+    from pagoda.spec_decode.eagle3_train import Teacher, draft_vocab, new_head, read_generated, train_step
 
+    samples = list(read_generated(Path(args.folder) / "data" / "self.jsonl").values())[:args.batches * 4]
+    if not samples:
+        raise SystemExit(f"{args.folder}/data/self.jsonl holds no generated lines (train-eagle --data self writes it)")
     runner = LLM(args.model, dtype=args.dtype, kv_cache_memory="256MiB").engine.runner
-    with open(Path(args.folder) / "data" / "self.jsonl") as f:
-        samples = [Sample(row["ids"], row["generated_from"]) for row in map(json.loads, f)][:args.batches * 4]
     config = Eagle3Config.for_target(runner.args, args.draft_vocab_size)
     head = new_head(runner, config, draft_vocab(samples, runner.args.vocab_size, args.draft_vocab_size, set()), 0)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
