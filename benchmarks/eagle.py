@@ -89,14 +89,15 @@ def run(args: argparse.Namespace) -> int:
 
     held = prompts("heldout")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
-    common = dict(dtype=args.dtype, kv_cache_memory="2GiB")
+    common = dict(dtype=args.dtype, quantization=args.quantization, kv_cache_memory="2GiB")
     rows = []
     for conc in [1, *args.concurrency]:
         n = args.prompts if conc == 1 else 2 * conc
         convs = [_messages(t) for t in held[:n]]
         llms = {"plain": LLM(args.model, max_num_seqs=conc, **common)}
         for tree in args.trees:  # chains and draft trees, each beside the same plain engine
-            spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
+            spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
+                    "quantization": args.head_quantization}
             if tree != "chain":
                 spec.update(speculative_token_tree=tree, num_speculative_tokens=len(TokenTree.parse(tree).paths))
             llms[tree] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--head", required=True, help="the EAGLE-3 head folder (pagoda train-eagle --output)")
     r.add_argument("--model", default=None, help="the target (default: the embedded model)")
     r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--quantization", default=None, help="the target's weights (int8, int4, gguf, ...), as LLM takes")
+    r.add_argument("--head-quantization", default=None, choices=["int8", "int4", "fp8"],
+                   help="the head's linears (speculative_config.quantization)")
     r.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     r.add_argument("--trees", nargs="+", default=["chain"],
                    help="one EAGLE-3 engine each, measured beside the plain one: 'chain' (k deep), or a "

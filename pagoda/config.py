@@ -143,6 +143,10 @@ class SpeculativeConfig:
     # the root (rank r: the head's r-th most likely token below its parent); then num_speculative_tokens is its
     # number of nodes, as in vLLM. None: chains. Parsed and checked by core/draft_tree.TokenTree.
     speculative_token_tree: str | list | None = None
+    # eagle3, mtp: the head's linears quantized as they load (int8, int4 or fp8, as the target's `quantization`;
+    # the head over the draft vocabulary int8 under int4). A head's pass reads all its weights for a few rows,
+    # so it costs what they weigh; its drafts are still verified by the target, so output is unchanged.
+    quantization: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -190,6 +194,15 @@ class SpeculativeConfig:
                                  f"the number of nodes of speculative_token_tree ({len(tree.paths)})")
         if not isinstance(self.adaptive, bool):
             raise ValueError("speculative_config.adaptive must be true or false")
+        if self.quantization is not None:
+            from pagoda.quantization.methods import ON_THE_FLY
+
+            if method not in _HEAD_METHODS:
+                raise ValueError(f"speculative_config.quantization applies to methods {', '.join(_HEAD_METHODS)} "
+                                 f"(a draft model runs with the target's quantization), not {method!r}")
+            if self.quantization not in ON_THE_FLY:
+                raise ValueError(f"speculative_config.quantization: {self.quantization!r}; choose one of "
+                                 f"{', '.join(ON_THE_FLY)}")
 
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")

@@ -144,6 +144,45 @@ def test_bf16_with_the_kernels_is_plain_decoding(tiny6, head6, default_gguf, tre
     assert spec.engine.speculator.stats.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_a_quantized_head_drafts_as_the_float_one_and_leaves_output_unchanged(tiny6, head6, default_gguf, method):
+    """speculative_config.quantization: every linear of the head runs quantized (the one over the draft vocabulary
+    int8 under int4), its logits stay close to the float head's, and greedy output is plain decoding's."""
+    from pagoda.layers.linear import Linear
+
+    prompts = [[5, 6, 7, 8] * 5, list(range(10, 33)), [1, 2, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny6, tokenizer=default_gguf, dtype="float32", block_size=BLOCK)
+            .generate(prompts, params, use_tqdm=False)]
+    heads = {}
+    for q in (None, method):
+        cfg = {"method": "eagle3", "model": head6, "num_speculative_tokens": 3, "adaptive": False, "quantization": q}
+        spec = LLM(tiny6, tokenizer=default_gguf, dtype="float32", block_size=BLOCK, speculative_config=cfg)
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+        assert spec.engine.speculator.stats.num_draft_tokens > 0
+        heads[q] = spec.engine.speculator.drafter.head
+    formats = {name: m.qweight.format for name, m in heads[method].named_modules() if isinstance(m, Linear)}
+    assert formats == {"fc": method, "self_attn.qkv_proj": method, "self_attn.o_proj": method,
+                       "mlp.gate_up_proj": method, "mlp.down_proj": method,
+                       "lm_head": "int8" if method == "int4" else method}
+    state = torch.randn(64, heads[None].hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        exact, got = heads[None].logits(heads[None].fc(torch.cat([state] * 3, -1))), \
+            heads[method].logits(heads[method].fc(torch.cat([state] * 3, -1)))
+    assert torch.nn.functional.cosine_similarity(exact, got, dim=-1).min() > (0.95 if method == "int4" else 0.99)
+
+
+def test_a_quantized_head_is_refused_where_no_head_drafts():
+    from pagoda.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="speculative_config.quantization applies to methods eagle3, mtp"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+                                     "quantization": "int8"})
+    with pytest.raises(ValueError, match="speculative_config.quantization: 'gguf'; choose one of int8, int4, fp8"):
+        SpeculativeConfig.from_dict({"method": "eagle3", "model": "m", "num_speculative_tokens": 2,
+                                     "quantization": "gguf"})
+
+
 def test_pending_states_past_the_cap_keep_the_newest(monkeypatch):
     """A sequence that does not draft keeps at most MAX_PENDING positions' states; the head then starts over
     after the dropped ones, and the kept rows are the newest, in order."""

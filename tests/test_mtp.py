@@ -81,15 +81,19 @@ def test_mtp_drafts_are_transformers_mtp_layer_from_the_whole_history(glm, defau
         assert drafts == reference_chain(glm, tokens, k), f"proposal {i} at length {len(tokens)}"
 
 
-@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
-def test_mtp_leaves_greedy_output_unchanged(glm, default_gguf, tree):
-    """Chunked prefill in blocks of 4, prefix hits on the second pass, and a pool small enough to preempt."""
+@pytest.mark.parametrize("tree, quantization", [(None, None), (TREE, None), (None, "int8")],
+                         ids=["chain", "tree", "int8-layer"])
+def test_mtp_leaves_greedy_output_unchanged(glm, default_gguf, tree, quantization):
+    """Chunked prefill in blocks of 4, prefix hits on the second pass, and a pool small enough to preempt; the MTP
+    layer as stored, or quantized as it loads (speculative_config.quantization)."""
     cfg = json.loads((Path(glm) / "config.json").read_text())
     per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * BLOCK * cfg["head_dim"] * 4
     kw = dict(tokenizer=default_gguf, dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
               enable_prefix_caching=True, kv_cache_memory=24 * per_block)
     want = greedy_tokens(LLM(glm, **kw), PROMPTS, 24)
-    llm = LLM(glm, **kw, speculative_config=mtp_config(tree))
+    llm = LLM(glm, **kw, speculative_config={**mtp_config(tree), "quantization": quantization})
+    head = llm.engine.speculator.drafter.head
+    assert (head.eh_proj.qweight is None) == (quantization is None)
     for _ in range(2):
         assert greedy_tokens(llm, PROMPTS, 24) == want
     assert llm.engine.scheduler.num_preemptions > 0

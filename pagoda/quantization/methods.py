@@ -8,8 +8,10 @@ fp8:  float8 e4m3fn with a per-channel scale s = max|w| / 448 (e4m3's largest fi
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pagoda.kernels.quant_linear import PackedWeight
+from pagoda.layers.linear import Linear
 from pagoda.quantization.int4_format import GROUP_SIZES, Int4Weight, effective_group_size, quantize_int4_rtn
 
 METHODS = ("int8", "int4", "fp8", "gguf")
@@ -77,3 +79,11 @@ def quantize_weight(method: str, w: torch.Tensor, group_size: int = 128) -> Pack
     if method == "fp8":
         return quantize_fp8(w)
     raise ValueError(f"quantization: {method!r} is not an on-the-fly weight method ({', '.join(ON_THE_FLY)})")
+
+
+def quantize_linears(module: nn.Module, method: str, vocab_head: Linear) -> None:
+    """Quantize each float Linear of `module` in place with `method` (`vocab_head`, the one over the vocabulary,
+    with lm_head_method's), before the kernels are chosen (Linear.prepare)."""
+    for m in module.modules():
+        if isinstance(m, Linear) and m.qweight is None:
+            m.set_quantized(quantize_weight(lm_head_method(method) if m is vocab_head else method, m.weight.detach()))

@@ -38,6 +38,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.args import ModelArgs
 from pagoda.model.llama import LlamaAttention, LlamaMLP, prepare_kernels
+from pagoda.quantization.methods import quantize_linears
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
@@ -165,8 +166,9 @@ class Eagle3Head(nn.Module):
         attn.v_cache = torch.empty(shape, dtype=dtype)
 
 def load_head(path: str | Path, target: ModelArgs, embed: Callable[[torch.Tensor], torch.Tensor],
-              dtype: torch.dtype, policy: KernelPolicy) -> Eagle3Head:
-    """Read a head folder (safetensors only: weights are never unpickled); errors are one line naming the file."""
+              dtype: torch.dtype, policy: KernelPolicy, quantization: str | None = None) -> Eagle3Head:
+    """Read a head folder (safetensors only: weights are never unpickled); errors are one line naming the file.
+    `quantization`: the method its linears run with (speculative_config.quantization), None: `dtype`."""
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -193,6 +195,8 @@ def load_head(path: str | Path, target: ModelArgs, embed: Callable[[torch.Tensor
         raise ValueError(f"{weights_path}: {e}") from None
     head = head.to(dtype)
     head.self_attn.rope.materialize(torch.device("cpu"))  # fp32 tables, after the cast (the kernels read fp32)
+    if quantization is not None:
+        quantize_linears(head, quantization, head.lm_head)
     prepare_kernels(head, dtype, policy)
     return head.eval()
 

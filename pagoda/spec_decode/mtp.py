@@ -28,6 +28,7 @@ from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model.args import ModelArgs
 from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, prepare_kernels
 from pagoda.model.loader import ModelFiles
+from pagoda.quantization.methods import quantize_linears
 
 
 class SharedHead(nn.Module):
@@ -96,9 +97,9 @@ class MtpHead(LlamaDecoderLayer):
 
 
 def load_mtp_head(files: ModelFiles, target: LlamaForCausalLM, dtype: torch.dtype, policy: KernelPolicy,
-                  max_model_len: int | None = None) -> MtpHead:
+                  max_model_len: int | None = None, quantization: str | None = None) -> MtpHead:
     """The first MTP layer of the target's checkpoint (safetensors; weights are never unpickled). A checkpoint
-    without its weights fails naming the first missing one."""
+    without its weights fails naming the first missing one. `quantization`: as load_head's."""
     a = target.args
     if a.num_mtp_layers < 1:
         raise ValueError(f"speculative_config: method 'mtp' needs a checkpoint with MTP layers "
@@ -121,6 +122,8 @@ def load_mtp_head(files: ModelFiles, target: LlamaForCausalLM, dtype: torch.dtyp
         raise ValueError(f"{files.source}: the MTP layer is missing {len(missing)} weight(s), e.g. {missing[:3]}")
     head = head.to(dtype)
     head.self_attn.rope.materialize(torch.device("cpu"))  # fp32 tables, after the cast (the kernels read fp32)
+    if quantization is not None:
+        quantize_linears(head, quantization, head.shared_head.head)
     prepare_kernels(head, dtype, policy)
     if isinstance(head.mlp, SparseMoeBlock):
         head.mlp.prepare_experts(policy)

@@ -330,13 +330,13 @@ def _load_head(cfg: SpeculativeConfig, target: ModelRunner, kv: KVCacheManager,
 
         assert target_files is not None
         head = load_mtp_head(target_files, model, target.dtype, target.policy,
-                             target.config.scheduler.max_model_len)
+                             target.config.scheduler.max_model_len, cfg.quantization)
         model.aux_output = True
     else:
         from pagoda.spec_decode.eagle3_head import load_head
 
         assert cfg.model is not None
-        eagle = load_head(cfg.model, target.args, model.embed_tokens, target.dtype, target.policy)
+        eagle = load_head(cfg.model, target.args, model.embed_tokens, target.dtype, target.policy, cfg.quantization)
         model.aux_layers = eagle.config.aux_layers
         head = eagle
     return HeadProposer(head, kv.pool.num_blocks, kv.block_size, target.args.vocab_size)
