@@ -13,7 +13,8 @@ measured ones share no topic. `run` answers the held-out prompts greedily (up to
 at end of turn as a chat would) with the same engine settings with and without the head:
   batch 1     one request at a time (--prompts of them), alternated --rounds times: output tok/s of each;
   concurrent  --concurrency requests at a time (max_num_seqs), twice as many prompts, alternated too;
-with one EAGLE-3 engine per --trees ('chain', or a speculative_token_tree in vLLM's form), and checks that
+with one EAGLE-3 engine per --trees ('chain', or a speculative_token_tree in vLLM's form) and per
+--head-quantization (the head's linears as stored, or quantized as they load), and checks that
 every answer is the same tokens either way. Prints the ratios, the mean acceptance length and the acceptance
 per draft depth (the share of verifications that accepted a proposal at depth j).
 """
@@ -95,12 +96,14 @@ def run(args: argparse.Namespace) -> int:
         n = args.prompts if conc == 1 else 2 * conc
         convs = [_messages(t) for t in held[:n]]
         llms = {"plain": LLM(args.model, max_num_seqs=conc, **common)}
-        for tree in args.trees:  # chains and draft trees, each beside the same plain engine
+        # chains and draft trees, with the head as stored or quantized, each beside the same plain engine
+        for tree, quant in itertools.product(args.trees, args.head_quantization):
             spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
-                    "quantization": args.head_quantization}
+                    "quantization": None if quant == "none" else quant}
             if tree != "chain":
                 spec.update(speculative_token_tree=tree, num_speculative_tokens=len(TokenTree.parse(tree).paths))
-            llms[tree] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
+            name = tree if len(args.head_quantization) == 1 else f"{tree}, head {quant}"
+            llms[name] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
         rates: dict[str, list[float]] = {name: [] for name in llms}
         answers: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):
@@ -121,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
             per_pos = [a / st.num_drafts for a in st.accepted_per_pos] if st.num_drafts else []
             e = statistics.median(rates[name])
             rows.append((conc, name, e, p, e / p, st.mean_acceptance_length, per_pos, same))
-            print(f"concurrency {conc}, {name}: eagle3 {e:.1f} tok/s vs plain {p:.1f} ({e / p:.2f}x), acceptance "
+            spread = [a / b for a, b in zip(rates[name], rates["plain"])]  # each round's ratio
+            print(f"concurrency {conc}, {name}: eagle3 {e:.1f} tok/s vs plain {p:.1f} ({e / p:.2f}x; rounds "
+                  f"{min(spread):.2f}-{max(spread):.2f}x), acceptance "
                   f"length {st.mean_acceptance_length:.2f}, per position {' '.join(f'{x:.2f}' for x in per_pos)}, "
                   f"identical tokens: {same}", flush=True)
         del llms
@@ -201,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", default=None, help="the target (default: the embedded model)")
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--quantization", default=None, help="the target's weights (int8, int4, gguf, ...), as LLM takes")
-    r.add_argument("--head-quantization", default=None, choices=["int8", "int4", "fp8"],
-                   help="the head's linears (speculative_config.quantization)")
+    r.add_argument("--head-quantization", nargs="+", default=["none"], choices=["none", "int8", "int4", "fp8"],
+                   help="the head's linears (speculative_config.quantization), one engine each")
     r.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     r.add_argument("--trees", nargs="+", default=["chain"],
                    help="one EAGLE-3 engine each, measured beside the plain one: 'chain' (k deep), or a "

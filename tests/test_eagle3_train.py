@@ -164,7 +164,8 @@ def test_training_writes_the_head_and_resumes_from_its_last_checkpoint(looping_t
 def test_kept_teacher_outputs_train_the_same_head_without_the_target(looping_target: Path, tmp_path: Path,
                                                                      monkeypatch) -> None:
     """Epochs after the first read the target's outputs kept from it: the head is bit for bit the one trained
-    with the target run again for every batch (--teacher-cache-gib 0), and the target runs once per sequence."""
+    with the target run again for every batch (--teacher-cache-gib 0), and the target runs once per sequence.
+    Both runs keep their thread count (no governor): torch's sums, and so the head's bits, may follow it."""
     from pagoda import LLM
     from pagoda.executor.model_runner import ModelRunner
     from pagoda.spec_decode.eagle3_train import lr_share, train
@@ -174,11 +175,17 @@ def test_kept_teacher_outputs_train_the_same_head_without_the_target(looping_tar
     monkeypatch.setattr(ModelRunner, "hidden_states", lambda self, ids, layers: (forwards.append(len(ids)),
                                                                                  real(self, ids, layers))[1])
     corpus = _corpus(tmp_path / "corpus.txt", 20)  # 16 training lines: 4 batches an epoch
-    heads, calls = [], []
+    heads, calls, engines = [], [], []
+
+    def llm_class(*args, **kw):
+        llm = LLM(*args, **kw)
+        engines.append(llm.engine)
+        return llm
+
     for gib in (0.0, 4.0):
         forwards.clear()
         report = train(_options(looping_target, corpus, tmp_path / f"out{gib}", max_steps=10, teacher_cache_gib=gib),
-                       LLM)
+                       llm_class)
         assert report["epochs"] == 2.5
         heads.append(load_file(str(tmp_path / f"out{gib}" / WEIGHTS_FILE)))
         calls.append(len(forwards))
@@ -186,6 +193,7 @@ def test_kept_teacher_outputs_train_the_same_head_without_the_target(looping_tar
     for name in heads[0]:
         assert torch.equal(heads[0][name], heads[1][name]), name
     assert calls[0] - calls[1] == 10 * 4 - 16  # the held-out report runs the target alike in both
+    assert [e.thread_governor for e in engines] == [None, None]
     assert lr_share(0) == 1 and lr_share(1) == pytest.approx(0.05) and lr_share(0.5) == pytest.approx(0.525)
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from pagoda.cpus import resolve as resolve_cpus
 from pagoda.spec_decode.eagle3_head import Eagle3Config, save_head
 from pagoda.spec_decode.eagle3_ttt import DenseEagle3, chain_acceptance, ttt_loss
 
@@ -431,7 +432,10 @@ def train(opts: TrainOptions, llm_class: Callable[..., Any]) -> dict[str, Any]:
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
     _check_run(out, opts)
-    llm = llm_class(opts.model, **opts.engine)
+    # A fixed thread count: torch's kernels, which train the head, may split a sum by threads, so a thread governor
+    # following other processes' load would make the trained head depend on that load.
+    engine = {**opts.engine, "threads": opts.engine.get("threads") or resolve_cpus(opts.engine.get("cpus"), None)[1]}
+    llm = llm_class(opts.model, **engine)
     runner = llm.engine.runner
     if not isinstance(runner, ModelRunner):
         raise ValueError("train-eagle runs the target in one process (tensor_parallel_size 1)")
