@@ -23,8 +23,10 @@ SHAPE = TuningShape("bfloat16", 32, 64, 0, torch.float32)
 
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
-    """The tuner does not cache what it measured on a busy machine; tests of caching must not depend on the load."""
+    """The tuner does not cache what it measured on a busy machine, or in passes its thread did not run through (the
+    fake kernels below sleep); tests of caching must not depend on the load."""
     monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+    monkeypatch.setattr(tuning, "ran_through", lambda cpu_s, wall_s: True)
 
 
 def fake(seconds: float, calls: list[str], name: str) -> SimpleNamespace:
@@ -108,6 +110,51 @@ def test_unreliable_times_keep_the_built_in_choice_and_write_nothing(tmp_path, m
     again.measure = lambda kernels, k, dtype: fast  # type: ignore[method-assign]
     _, entry = again.choose(SHAPE, candidates("", [], []))
     assert entry.chosen == "onednn" and (tmp_path / "tuning.json").exists()
+
+
+def test_passes_the_timing_thread_did_not_run_through_are_measured_again(tmp_path, monkeypatch):
+    """A pass whose thread waited for its core (its threads woken onto one core after a model load) does not count:
+    the shape is measured again, and the choice comes from the passes that ran through."""
+    slow_panels = {"panels": [9.0] * 3, "onednn": [1.0] * 3}  # what a half-speed pass made of small layers
+    fast = {"panels": [1.0] * 3, "onednn": [2.0] * 3}
+    answers, ran = iter([slow_panels, slow_panels, fast, fast]), iter([False, False, True, True])
+    monkeypatch.setattr(tuning, "ran_through", lambda cpu_s, wall_s: next(ran))
+    tuner = KernelTuner(tmp_path / "tuning.json")
+    tuner.measure = lambda kernels, k, dtype: next(answers)  # type: ignore[method-assign]
+    _, entry = tuner.choose(SHAPE, candidates("", [], []))
+    assert entry.chosen == "panels" and entry.times == fast and (tmp_path / "tuning.json").exists()
+
+
+def test_a_thread_sharing_its_core_gives_no_choice(tmp_path, monkeypatch):
+    """Every thread of this process on one core: no pass runs through, so the built-in choice, not cached."""
+    from pagoda.kernels.cpu_extension import kernel_available
+    from pagoda.kernels.linear import panel_pack
+    from pagoda.kernels.linear_kernel import PANELS, LinearKernel, _without_panels
+
+    monkeypatch.undo()  # the real rule
+    if not kernel_available() or len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2:
+        pytest.skip("needs the C++ kernels and two compute threads")
+    w = torch.randn(576, 576).to(torch.bfloat16)
+    if (packed := panel_pack(w)) is None:
+        pytest.skip("no panel kernel for bf16 on this CPU")
+    kernels = {"panels": lambda: LinearKernel(PANELS, w, None, None, panels=packed),
+               "onednn": lambda: _without_panels(w, None)}
+    torch.ops.pagoda.packed_linear(torch.zeros(1, 576, dtype=torch.bfloat16), packed, None)  # start the workers
+    tasks = [int(t) for t in os.listdir("/proc/self/task")]
+    masks = {t: os.sched_getaffinity(t) for t in tasks}
+    one = {min(masks[tasks[0]])}
+    try:
+        for t in tasks:
+            os.sched_setaffinity(t, one)
+        tuner = KernelTuner(tmp_path / "tuning.json")
+        _, entry = tuner.choose(TuningShape("bfloat16", 576, 576, 0, torch.bfloat16), kernels)
+    finally:
+        for t, mask in masks.items():
+            try:
+                os.sched_setaffinity(t, mask)
+            except OSError:  # a thread that has ended
+                pass
+    assert entry.chosen == "panels" and not (tmp_path / "tuning.json").exists()
 
 
 def test_kernel_tuning_is_validated_and_off_gives_the_built_in_choice():

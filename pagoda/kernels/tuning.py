@@ -42,6 +42,15 @@ MARGIN = 0.05
 _PASSES = 2
 _POINT_BUDGET_S = 2e-3
 _MIN_REPS, _MAX_REPS = 2, 5
+# A pass counts only if the thread that times it ran through it: its CPU time over the pass must reach this share
+# of the wall time (it computes its part of each region or spins at the barrier, about 0.95 on a quiet machine).
+# Right after a model loads, the scheduler can wake the long-idle OpenMP workers onto the loading thread's core,
+# and until its balancer spreads them, tens of milliseconds, the timing thread gets half its core: every region
+# runs at half speed or less, and a small layer's times say nothing about its kernels (they chose oneDNN over
+# panels five times slower). Another process on the cores does the same. A pass that falls short is measured
+# again, up to _ATTEMPTS times.
+_MIN_CPU_SHARE = 0.85
+_ATTEMPTS = 6
 
 
 class Runs(Protocol):
@@ -143,14 +152,14 @@ class KernelTuner:
                 return candidates[entry.chosen](), entry
             kernels = {name: build() for name, build in candidates.items()}
             t0 = time.perf_counter()
-            passes = [self.measure(kernels, shape.k, shape.act_dtype) for _ in range(_PASSES)]
+            passes, ran = self._passes(kernels, shape)
             times = {name: [min(ts) for ts in zip(*(p[name] for p in passes))] for name in names}
             scores = score(times)
             choices = {pick(score(p), names[0]) for p in passes}
-            # Passes that disagree, or a machine with more runnable threads than cores: another process on the cores
-            # stalls the kernels' threads at random, and the times say little. Keep the built-in choice for this
-            # process and leave the shape to be measured next time.
-            stable = len(choices) == 1 and not machine_busy()
+            # Passes that disagree or that the timing thread never ran through, or a machine with more runnable threads
+            # than cores: another process on the cores stalls the kernels' threads at random, and the times say
+            # little. Keep the built-in choice for this process and leave the shape to be measured next time.
+            stable = len(choices) == 1 and ran and not machine_busy()
             entry = TuningEntry(list(self.rows), times, scores, pick(scores, names[0]) if stable else names[0], key)
             self.entries[key] = entry
             self.measured += 1
@@ -161,6 +170,20 @@ class KernelTuner:
             else:
                 self._unstable.add(key)
             return kernels[entry.chosen], entry
+
+    def _passes(self, kernels: Mapping[str, Runs], shape: TuningShape) -> tuple[list[dict[str, list[float]]], bool]:
+        """_PASSES measurements that the timing thread ran through (a pass it did not is measured again, up to
+        _ATTEMPTS in all), and whether there were that many; else the last ones measured."""
+        tried: list[dict[str, list[float]]] = []
+        good: list[dict[str, list[float]]] = []
+        for _ in range(_ATTEMPTS):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            tried.append(self.measure(kernels, shape.k, shape.act_dtype))
+            if ran_through(time.thread_time() - cpu, time.perf_counter() - wall):
+                good.append(tried[-1])
+                if len(good) == _PASSES:
+                    return good, True
+        return tried[-_PASSES:], False
 
     def measure(self, kernels: Mapping[str, Runs], k: int, dtype: torch.dtype) -> dict[str, list[float]]:
         """Per candidate, its best time (s) at each of `rows`: warmed up once, then min over repetitions that
@@ -228,6 +251,12 @@ class KernelTuner:
                 raise
         except OSError as e:  # a read-only cache: the choices still hold for this process
             logger.warning("kernel tuning: cannot write %s (%s)", self.path, e)
+
+
+def ran_through(cpu_s: float, wall_s: float) -> bool:
+    """Whether the timing thread ran for most of a measurement that took `wall_s`, `cpu_s` of its CPU time (a moment
+    too short to judge counts as yes)."""
+    return wall_s < 1e-3 or cpu_s >= _MIN_CPU_SHARE * wall_s
 
 
 def machine_busy() -> bool:
