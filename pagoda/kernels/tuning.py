@@ -43,12 +43,11 @@ _PASSES = 2
 _POINT_BUDGET_S = 2e-3
 _MIN_REPS, _MAX_REPS = 2, 5
 # A pass counts only if the thread that times it ran through it: its CPU time over the pass must reach this share
-# of the wall time (it computes its part of each region or spins at the barrier, about 0.95 on a quiet machine).
-# Right after a model loads, the scheduler can wake the long-idle OpenMP workers onto the loading thread's core,
-# and until its balancer spreads them, tens of milliseconds, the timing thread gets half its core: every region
-# runs at half speed or less, and a small layer's times say nothing about its kernels (they chose oneDNN over
-# panels five times slower). Another process on the cores does the same. A pass that falls short is measured
-# again, up to _ATTEMPTS times.
+# of the wall time (it computes its part of each region or spins at the barrier). Right after a model loads, the
+# scheduler can wake the long-idle OpenMP workers onto the loading thread's core, and until its balancer spreads
+# them the timing thread gets part of its core: every region runs slower, small layers the most, and their times
+# can rank the kernels backwards (docs/benchmarks.md, "kernel tuning after a load"). Another process on the cores
+# does the same. A pass that falls short is measured again, up to _ATTEMPTS times.
 _MIN_CPU_SHARE = 0.85
 _ATTEMPTS = 6
 
