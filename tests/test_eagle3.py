@@ -69,6 +69,36 @@ def test_capturing_leaves_the_target_bit_identical(tiny6, default_gguf, rows):
     assert torch.equal(aux, run((2, 3, 5))[1])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_decoder_stack_captures_the_layer_by_layer_states(tiny6, default_gguf, dtype, monkeypatch):
+    """The C++ stack writes the captured streams in its one call: the same bits as the layers run one by one."""
+    from pagoda.kernels.decoder_stack import DecoderStack
+
+    llm = LLM(tiny6, tokenizer=default_gguf, dtype=dtype, block_size=BLOCK)
+    model = llm.engine.runner.model
+    if model.stack is None:
+        pytest.skip("no C++ decoder stack on this machine")
+    ids = [11, 5, 40]
+    batch = FlatBatch(BLOCK)
+    for i, t in enumerate(ids):  # three sequences of one token: a decode-sized step
+        batch.add([t], 0, [i])
+    model.aux_layers = (0, 2, 5)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        model.aux_hidden = None
+        with torch.inference_mode():
+            h = model(torch.tensor(ids), torch.tensor(batch.positions), batch.metadata(torch.device("cpu")))
+        return h, model.aux_hidden
+
+    assert model.stack.takes(torch.zeros(len(ids), model.args.hidden_size, dtype=getattr(torch, dtype)))
+    stacked, aux = run()
+    monkeypatch.setattr(DecoderStack, "takes", lambda self, x: False)
+    layered, want = run()
+    model.aux_layers = ()
+    assert torch.equal(stacked, layered) and torch.equal(aux, want)
+    assert torch.equal(aux[:, :model.args.hidden_size], model.embed_tokens(torch.tensor(ids)))  # layer 0 reads these
+
+
 TREE = "[(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)]"  # k = 6 nodes, 3 deep; (0,) (0, 0) (0, 0, 0) is the chain
 
 

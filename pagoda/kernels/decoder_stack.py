@@ -44,7 +44,7 @@ class DecoderStack:
     _bound_dtype: torch.dtype | None = None
     _caches: tuple[list, list, list, list] = field(default_factory=lambda: ([], [], [], []))
     _attention_ok: bool = False
-    _segments: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    _segments: dict[int, tuple] = field(default_factory=dict)  # the op's lists for the first n layers
 
     @staticmethod
     def build(norms: list[torch.Tensor], linears: list[LinearArgs | None], eps: float, attention: list,
@@ -77,29 +77,27 @@ class DecoderStack:
         return self._attention_ok
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, num_layers: int,
-                 lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's output, running residual): the model applies its final norm to them."""
-        return self.run_layers(x, positions, meta, 0, num_layers, lora_slots)
-
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, start: int,
-                   end: int, lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layers [start, end) with x as the residual stream entering `start` (the op's lists from that layer on).
-        `lora_slots`: each token's adapter slot (-1: none), where the step has adapter rows (bind_lora)."""
-        seg = self._segments.get((start, end))
+                 lora_slots: torch.Tensor | None = None, capture: tuple[int, ...] = (),
+                 aux_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's output, running residual) of the first `num_layers` layers: the model applies its final
+        norm to them. `lora_slots`: each token's adapter slot (-1: none), where the step has adapter rows
+        (bind_lora). `aux_out` [T, len(capture) * hidden]: filled with the residual stream entering each layer of
+        `capture`, side by side (EAGLE-3's states)."""
+        seg = self._segments.get(num_layers)
         if seg is None:
             k, v, ks, vs = self._caches
-            per = _LINEARS_PER_LAYER
-            seg = self._segments[start, end] = (
-                k[start:end], v[start:end], ks[start:end], vs[start:end], self.norms[2 * start:2 * end],
-                self.qk_norms[2 * start:2 * end], self.linears[start * per * _ENTRIES:end * per * _ENTRIES],
-                self.formats[start * per:end * per], self.group_sizes[start * per:end * per],
-                self.windows[start:end], self.lora[start * per * _LORA_ENTRIES:end * per * _LORA_ENTRIES])
+            per, n = _LINEARS_PER_LAYER, num_layers
+            seg = self._segments[n] = (
+                k[:n], v[:n], ks[:n], vs[:n], self.norms[:2 * n], self.qk_norms[:2 * n],
+                self.linears[:n * per * _ENTRIES], self.formats[:n * per], self.group_sizes[:n * per],
+                self.windows[:n], self.lora[:n * per * _LORA_ENTRIES])
         k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows, lora = seg
         a0, rope = self.attention[0], self.rope
         return torch.ops.pagoda.decoder_stack(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, k, v, ks, vs, norms, qk_norms, linears, formats, group_sizes, windows, self.eps,
-            a0.scale, a0.num_heads, a0.num_kv_heads, end - start, lora_slots if lora else None, lora, meta.tree_mask)
+            a0.scale, a0.num_heads, a0.num_kv_heads, num_layers, lora_slots if lora else None, lora, meta.tree_mask,
+            capture, aux_out)
 
 
 # The op's flat per-layer order (decoder_stack.cpp): qkv, o, gate_up, down, each [weight, scales, offsets, bias].

@@ -170,7 +170,11 @@ class LlamaForCausalLM(nn.Module):
             if not capture:
                 x, residual = stack(x, positions, meta, n, lora_slots)
                 return self.norm(x, residual)
-            return self.norm(*self._stack_capturing(stack, x, positions, meta, capture, lora_slots))
+            # The captured streams are written by the op as it passes each layer: one call, as without capture.
+            aux = x.new_empty(x.shape[0], len(capture) * x.shape[1])
+            x, residual = stack(x, positions, meta, n, lora_slots, capture, aux)
+            self.aux_hidden = aux
+            return self.norm(x, residual)
         residual = None
         streams: dict[int, torch.Tensor] = {}
         # Not self.layers[:n]: slicing a ModuleList builds a new one every step.
@@ -181,27 +185,6 @@ class LlamaForCausalLM(nn.Module):
         if capture:
             self.aux_hidden = torch.cat([streams[i] for i in capture], dim=-1)
         return self.norm(x, residual)
-
-    def _stack_capturing(self, stack: DecoderStack, x: torch.Tensor, positions: torch.Tensor,
-                         meta: AttentionMetadata, capture: tuple[int, ...],
-                         lora_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stack run in segments that end at each captured layer. A segment starts from the residual
-        stream x + residual as a first layer does, which the fused norm computes identically (it normalizes
-        the stored sum), so the output is the same bits as one call."""
-        streams: dict[int, torch.Tensor] = {}
-        done = 0
-        residual: torch.Tensor | None = None
-        for end in (*sorted(set(capture)), len(self.layers)):
-            if end > done:
-                if residual is not None:
-                    x = x + residual
-                x, residual = stack.run_layers(x, positions, meta, done, end, lora_slots)
-                done = end
-            if end < len(self.layers):
-                streams[end] = x if residual is None else x + residual
-        self.aux_hidden = torch.cat([streams[i] for i in capture], dim=-1)
-        assert residual is not None
-        return x, residual
 
     def prepare(self, policy: KernelPolicy) -> None:
         """Called once the weights are loaded (and tied): lets each layer pick its kernels under `policy`."""

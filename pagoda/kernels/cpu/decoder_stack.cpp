@@ -12,6 +12,8 @@
 // With lora_slots (each token's adapter slot, -1: none), lora holds four entries per linear in the same order
 // (A, B^T, widths, parts: lora.cpp), or none where that linear has no adapters; each linear's output then gets its
 // tokens' adapter updates, as the layer-by-layer path adds them (lora/layer.py).
+// With aux_out [T, len(aux_layers) * H], the residual stream entering each layer aux_layers[j] (EAGLE-3's captured
+// states) is copied into its columns [j * H, (j + 1) * H): the same bits a run split at those layers gives, in one call.
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -62,7 +64,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const c10::List<c10::optional<at::Tensor>>& linears, at::IntArrayRef formats,
     at::IntArrayRef group_sizes, at::IntArrayRef windows, double eps, double scale, int64_t num_heads,
     int64_t num_kv_heads, int64_t num_layers, const c10::optional<at::Tensor>& lora_slots,
-    const c10::List<c10::optional<at::Tensor>>& lora, const c10::optional<at::Tensor>& tree_mask) {
+    const c10::List<c10::optional<at::Tensor>>& lora, const c10::optional<at::Tensor>& tree_mask,
+    at::IntArrayRef aux_layers, const c10::optional<at::Tensor>& aux_out) {
   const int64_t L = num_layers;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_stack: x must be [T, H] contiguous");
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(k_caches.size()) >= L && static_cast<int64_t>(v_caches.size()) >= L &&
@@ -77,6 +80,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) >= L, "decoder_stack: windows is shorter than L");
   TORCH_CHECK(!lora_slots.has_value() || static_cast<int64_t>(lora.size()) >= L * kLinearsPerLayer * kLoRAEntries,
               "decoder_stack: lora is shorter than 4 entries per linear");
+  const int64_t H = x.size(1);
+  TORCH_CHECK(!aux_out.has_value() || (aux_out->dim() == 2 && aux_out->size(0) == x.size(0) &&
+                                       aux_out->size(1) == static_cast<int64_t>(aux_layers.size()) * H &&
+                                       aux_out->scalar_type() == x.scalar_type()),
+              "decoder_stack: aux_out must be [T, len(aux_layers) * H] in x's dtype");
   at::Tensor h = x, residual;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t li = l * kLinearsPerLayer;
@@ -85,8 +93,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
       residual = x.clone();
       a = pagoda_cpu::rms_norm(h, norms[0], eps, c10::nullopt);
     } else {
-      a = pagoda_cpu::rms_norm(h, norms[2 * l], eps, residual);
+      a = pagoda_cpu::rms_norm(h, norms[2 * l], eps, residual);  // residual += h: the stream entering layer l
     }
+    if (aux_out.has_value())
+      for (size_t j = 0; j < aux_layers.size(); ++j)
+        if (aux_layers[j] == l) aux_out->narrow(1, static_cast<int64_t>(j) * H, H).copy_(residual);
     at::Tensor qkv = run_linear(a, linears, li, formats[li], group_sizes[li]);
     add_lora(qkv, a, lora_slots, lora, li);
     if (qk) {
@@ -119,7 +130,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
       "Tensor(c!)?[] k_scales, Tensor(d!)?[] v_scales, Tensor[] norms, Tensor?[] qk_norms, Tensor?[] linears, "
       "int[] formats, "
       "int[] group_sizes, int[] windows, float eps, float scale, int num_heads, int num_kv_heads, int num_layers, "
-      "Tensor? lora_slots, Tensor?[] lora, Tensor? tree_mask=None) "
+      "Tensor? lora_slots, Tensor?[] lora, Tensor? tree_mask=None, int[] aux_layers=[], Tensor(e!)? aux_out=None) "
       "-> (Tensor, Tensor)");
 }
 
