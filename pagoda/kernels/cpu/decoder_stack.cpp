@@ -13,7 +13,8 @@
 // (A, B^T, widths, parts: lora.cpp), or none where that linear has no adapters; each linear's output then gets its
 // tokens' adapter updates, as the layer-by-layer path adds them (lora/layer.py).
 // With aux_out [T, len(aux_layers) * H], the residual stream entering each layer aux_layers[j] (EAGLE-3's captured
-// states) is copied into its columns [j * H, (j + 1) * H): the same bits a run split at those layers gives, in one call.
+// states) is copied into its columns [j * H, (j + 1) * H): the sum the fused norm stores, the same bits as the
+// layer-by-layer path's x + residual.
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
