@@ -167,13 +167,11 @@ class LlamaForCausalLM(nn.Module):
         stack = self.stack
         if stack is not None and stack.takes(x):
             lora_slots = self.lora.token_slots if self.lora is not None else None
-            if not capture:
-                x, residual = stack(x, positions, meta, n, lora_slots)
-                return self.norm(x, residual)
-            # The captured streams are written by the op as it passes each layer: one call, as without capture.
-            aux = x.new_empty(x.shape[0], len(capture) * x.shape[1])
+            # The captured streams are written by the op as it passes each layer, in its one call.
+            aux = x.new_empty(x.shape[0], len(capture) * x.shape[1]) if capture else None
             x, residual = stack(x, positions, meta, n, lora_slots, capture, aux)
-            self.aux_hidden = aux
+            if aux is not None:
+                self.aux_hidden = aux
             return self.norm(x, residual)
         residual = None
         streams: dict[int, torch.Tensor] = {}
