@@ -4,6 +4,9 @@ prompts, `python -m benchmarks.eagle run --head DIR` measures.
 `python -m benchmarks.eagle train-step DIR` times train-eagle's optimizer step after the first epoch, the target's
 outputs kept against the target run for every batch, over a run's self-distilled data.
 
+`python -m benchmarks.eagle report --head DIR` prints train-eagle's acceptance report over the prompts `run`
+measures.
+
 `python -m benchmarks.eagle untrained DIR` writes a head with train-eagle's initial weights (a random layer, the
 target's LM-head rows) over a random draft vocabulary, which accepts almost nothing: `run` over it measures what
 a bad head costs, the case the adaptive controller must keep at no speculation's speed.
@@ -13,8 +16,9 @@ measured ones share no topic. `run` answers the held-out prompts greedily (up to
 at end of turn as a chat would) with the same engine settings with and without the head:
   batch 1     one request at a time (--prompts of them), alternated --rounds times: output tok/s of each;
   concurrent  --concurrency requests at a time (max_num_seqs), twice as many prompts, alternated too;
-with one EAGLE-3 engine per --trees ('chain', or a speculative_token_tree in vLLM's form) and per
---head-quantization (the head's linears as stored, or quantized as they load), and checks that
+with one EAGLE-3 engine per --trees ('chain', or a speculative_token_tree in vLLM's form), per
+--head-quantization (the head's linears as stored, or quantized as they load) and per --adaptive (the
+controller choosing k, or k every step), and checks that
 every answer is the same tokens either way. Prints the ratios, the mean acceptance length and the acceptance
 per draft depth (the share of verifications that accepted a proposal at depth j).
 """
@@ -25,6 +29,7 @@ import itertools
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 TEMPLATES = [
@@ -72,6 +77,21 @@ def prompts(split: str, seed: int = 0) -> list[str]:
     return out
 
 
+def vocabulary_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` more training prompts, each a random template over a word drawn from the embedded model's
+    vocabulary (whole-word tokens, lowercase ASCII, six letters or more), none inside a held-out topic: topics
+    the fixed list lacks, so the head meets more kinds of text than 97 topics give."""
+    from pagoda.model.default_model import default_model_path
+    from pagoda.model.tokenizer import load_tokenizer
+
+    held = " ".join(TOPICS[-HELD_OUT:])
+    vocab = load_tokenizer(default_model_path()).backend.get_vocab()
+    words = sorted(w[1:] for w in vocab if w.startswith("\u0120") and len(w) > 6 and w[1:].isascii()
+                   and w[1:].isalpha() and w[1:].islower() and w[1:] not in held)
+    rng = random.Random(seed)
+    return [rng.choice(TEMPLATES).format(t=w) for w in rng.sample(words, min(count, len(words)))]
+
+
 def _messages(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
@@ -97,12 +117,13 @@ def run(args: argparse.Namespace) -> int:
         convs = [_messages(t) for t in held[:n]]
         llms = {"plain": LLM(args.model, max_num_seqs=conc, **common)}
         # chains and draft trees, with the head as stored or quantized, each beside the same plain engine
-        for tree, quant in itertools.product(args.trees, args.head_quantization):
+        for tree, quant, adaptive in itertools.product(args.trees, args.head_quantization, args.adaptive):
             spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
-                    "quantization": None if quant == "none" else quant}
+                    "quantization": None if quant == "none" else quant, "adaptive": adaptive == "on"}
             if tree != "chain":
                 spec.update(speculative_token_tree=tree, num_speculative_tokens=len(TokenTree.parse(tree).paths))
-            name = tree if len(args.head_quantization) == 1 else f"{tree}, head {quant}"
+            name = ", ".join([tree] + [f"head {quant}"] * (len(args.head_quantization) > 1)
+                             + [f"adaptive {adaptive}"] * (len(args.adaptive) > 1))
             llms[name] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
         rates: dict[str, list[float]] = {name: [] for name in llms}
         answers: dict[str, list[list[int]]] = {}
@@ -140,6 +161,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {conc} | {name} | {e:.1f} | {p:.1f} | **{r:.2f}x** | {al:.2f} | "
               f"{' / '.join(f'{x:.2f}' for x in per_pos)} | {'yes' if same else 'NO'} |")
     return 0 if all(r[-1] for r in rows) else 1
+
+
+def report(args: argparse.Namespace) -> int:
+    """train-eagle's acceptance report (eagle3_train.evaluate) over the held-out prompts `run` measures: the head
+    on the target's greedy continuations of them, counted as decoding verifies chains and over every anchor."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from pagoda import LLM
+    from pagoda.spec_decode.eagle3_head import WEIGHTS_FILE, Eagle3Config
+    from pagoda.spec_decode.eagle3_train import Teacher, TrainOptions, evaluate, new_head, self_samples
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=16, kv_cache_memory="1GiB")
+    runner = llm.engine.runner
+    folder = Path(args.head)
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    config = Eagle3Config.from_hf(json.loads((folder / "config.json").read_text()), runner.args)
+    head = new_head(runner, config, tensors["d2t"], 0)
+    head.load_state_dict({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")})
+    held = prompts("heldout")[:args.prompts]
+    opts = TrainOptions(corpus="", output="", gen_tokens=args.output_len, progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        samples = self_samples(llm, held, list(range(len(held))), opts, Path(tmp) / "self.jsonl", None)
+    print(json.dumps(evaluate(Teacher(runner, config.aux_layers, head.d2t, 0), head, samples, args.k), indent=2))
+    return 0
 
 
 def untrained(args: argparse.Namespace) -> int:
@@ -200,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("corpus", help="write the training prompts, one per line")
     c.add_argument("file")
+    c.add_argument("--vocabulary-topics", type=int, default=0,
+                   help="add this many prompts over words of the model's vocabulary (vocabulary_prompts)")
     u = sub.add_parser("untrained", help="write an untrained head (what a bad head costs)")
     u.add_argument("folder")
     u.add_argument("--model", default=None, help="the target (default: the embedded model)")
@@ -212,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--head-quantization", nargs="+", default=["none"], choices=["none", "int8", "int4", "fp8"],
                    help="the head's linears (speculative_config.quantization), one engine each")
     r.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    r.add_argument("--adaptive", nargs="+", default=["on"], choices=["on", "off"],
+                   help="speculative_config.adaptive, one engine each: off drafts k (or the whole tree) every step")
     r.add_argument("--trees", nargs="+", default=["chain"],
                    help="one EAGLE-3 engine each, measured beside the plain one: 'chain' (k deep), or a "
                         "speculative_token_tree such as '[(0,), (1,), (2,), (0, 0)]'")
@@ -219,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
     r.add_argument("--output-len", type=int, default=128)
     r.add_argument("--rounds", type=int, default=4)
+    a = sub.add_parser("report", help="train-eagle's acceptance report over the prompts run measures")
+    a.add_argument("--head", required=True, help="the EAGLE-3 head folder")
+    a.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    a.add_argument("--dtype", default="bfloat16")
+    a.add_argument("--prompts", type=int, default=12)
+    a.add_argument("--output-len", type=int, default=128)
+    a.add_argument("--k", type=int, default=4)
     t = sub.add_parser("train-step", help="train-eagle's step with the target's outputs kept against without")
     t.add_argument("folder", help="a train-eagle --output folder with data/self.jsonl")
     t.add_argument("--model", default=None, help="the target (default: the embedded model)")
@@ -229,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "corpus":
         with open(args.file, "w") as f:
-            f.write("\n".join(prompts("train")) + "\n")
+            f.write("\n".join(prompts("train") + vocabulary_prompts(args.vocabulary_topics)) + "\n")
         return 0
-    return {"untrained": untrained, "run": run, "train-step": train_step}[args.cmd](args)
+    return {"untrained": untrained, "run": run, "report": report, "train-step": train_step}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def test_training_writes_the_head_and_resumes_from_its_last_checkpoint(looping_t
     corpus, out = _corpus(tmp_path / "corpus.txt", 20), tmp_path / "out"
     first = train(_options(looping_target, corpus, out, max_steps=5, checkpoint_every=2), LLM)
     assert first["steps"] == 5 and first["resumed_from_step"] == 0
-    assert first["holdout_sequences"] == 4 and first["acceptance"]["anchors"] > 0
+    assert first["holdout_sequences"] == 4 and first["acceptance"]["steps"] > 0
     for name in ("config.json", WEIGHTS_FILE, "train_report.json", "checkpoint/head.safetensors",
                  "checkpoint/optimizer.safetensors", "checkpoint/state.json", "data/self.jsonl"):
         assert (out / name).is_file(), name
@@ -227,3 +227,30 @@ def test_train_eagle_refuses_bad_arguments_before_the_model_loads(monkeypatch, c
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def _hits(accepted: list[int], k: int) -> torch.Tensor:
+    """chain_acceptance's form: per anchor, the first `accepted[a]` drafts accepted."""
+    return torch.tensor([[j < n for j in range(k)] for n in accepted])
+
+
+def test_the_acceptance_report_counts_the_chains_decoding_verifies(monkeypatch) -> None:
+    """After a chain accepts n drafts, decoding's next chain starts n + 1 positions on; the anchors it skips do not
+    count, and an anchor after a rejection (often a hard one) does. The report's length is over those chains."""
+    from types import SimpleNamespace
+
+    from pagoda.spec_decode import eagle3_train
+    from pagoda.spec_decode.eagle3_train import Sample, evaluate
+    from pagoda.spec_decode.eagle3_ttt import decoding_steps
+
+    accepted = [2, 3, 3, 0, 1, 3, 3, 3, 0, 2]  # anchors 0, 3, 4 and 6 are verified: 2, 0, 1 and 3 accepted
+    hits = _hits(accepted, 3)
+    assert torch.equal(decoding_steps(hits), _hits([2, 0, 1, 3], 3))
+    teacher = SimpleNamespace(batch=lambda samples: SimpleNamespace(
+        ids=torch.zeros(1, 15, dtype=torch.int64), aux=torch.zeros(1, 15, 4), greedy=torch.zeros(1, 15)))
+    monkeypatch.setattr(eagle3_train, "chain_acceptance", lambda *args: hits)
+    report = evaluate(teacher, None, [Sample(list(range(15)), 1)], 3)  # type: ignore[arg-type]
+    assert report["steps"] == 4 and report["mean_acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert report["acceptance_per_position"] == [0.75, 0.5, 0.25]
+    assert report["per_anchor"] == {"anchors": 10, "mean_acceptance_length": pytest.approx(1 + 20 / 10),
+                                    "acceptance_per_position": [0.8, 0.7, 0.5]}

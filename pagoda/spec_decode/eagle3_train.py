@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from pagoda.cpus import resolve as resolve_cpus
 from pagoda.spec_decode.eagle3_head import Eagle3Config, save_head
-from pagoda.spec_decode.eagle3_ttt import DenseEagle3, chain_acceptance, ttt_loss
+from pagoda.spec_decode.eagle3_ttt import DenseEagle3, chain_acceptance, decoding_steps, ttt_loss
 
 DATA_MODES = ("self", "corpus")
 # Self-distillation generates at most within this share of the budget; training gets the rest.
@@ -368,9 +368,11 @@ def _check_run(out: Path, opts: TrainOptions) -> None:
 
 
 def evaluate(teacher: Teacher, head: DenseEagle3, samples: list[Sample], k: int) -> dict[str, Any]:
-    """Acceptance of greedy k-token chains at each anchor of the held-out samples: a draft counts while it and
-    those before it equal the target's greedy tokens (self data: the continuation the target generated)."""
-    rows = []
+    """Acceptance of greedy k-token chains on the held-out samples: a draft counts while it and those before it
+    equal the target's greedy tokens (self data: the continuation the target generated). The mean acceptance
+    length and per-position shares are over the chains decoding verifies (decoding_steps), as the engine counts
+    them; `per_anchor` has them over every anchor."""
+    rows, steps = [], []
     for s in samples:
         # Self data: the first anchor drafts after the target's first own token, as after a prefill.
         first = 0 if s.generated_from is None else max(s.generated_from - 1, 0)
@@ -382,10 +384,15 @@ def evaluate(teacher: Teacher, head: DenseEagle3, samples: list[Sample], k: int)
         greedy_next = batch.greedy[0] if s.generated_from is None else F.pad(ids[1:], (0, 1))
         anchors = torch.arange(first, len(s.ids) - 1 - k)
         rows.append(chain_acceptance(head, batch.aux[0], ids, greedy_next, anchors, k))
-    hits = torch.cat(rows) if rows else torch.zeros(0, k, dtype=torch.bool)
-    return {"k": k, "anchors": len(hits),
-            "mean_acceptance_length": 1 + float(hits.sum(1).float().mean()) if len(hits) else 1.0,
-            "acceptance_per_position": [round(float(x), 4) for x in hits.float().mean(0)] if len(hits) else [],
+        steps.append(decoding_steps(rows[-1]))
+
+    def rates(hits: list[torch.Tensor]) -> dict[str, Any]:
+        h = torch.cat(hits) if hits else torch.zeros(0, k, dtype=torch.bool)
+        return {"mean_acceptance_length": 1 + float(h.sum(1).float().mean()) if len(h) else 1.0,
+                "acceptance_per_position": [round(float(x), 4) for x in h.float().mean(0)] if len(h) else []}
+
+    return {"k": k, "steps": sum(map(len, steps)), **rates(steps),
+            "per_anchor": {"anchors": sum(map(len, rows)), **rates(rows)},
             "labels": "the target's greedy continuations" if samples and samples[0].generated_from is not None
             else "the target's argmax on the held-out text under teacher forcing (an approximation of its own "
                  "greedy text)"}
@@ -513,6 +520,7 @@ def summary(report: dict[str, Any]) -> str:
     """The report in one line."""
     acc = report["acceptance"]
     per = " ".join(f"{x:.2f}" for x in acc["acceptance_per_position"])
-    return (f"held-out acceptance length {acc['mean_acceptance_length']:.2f} (k={acc['k']}, {acc['anchors']} "
-            f"anchors; accepted per position: {per}; labels: {acc['labels']}) after {report['steps']} steps, "
-            f"{report['trained_tokens']} tokens")
+    return (f"held-out acceptance length {acc['mean_acceptance_length']:.2f} (k={acc['k']}, {acc['steps']} "
+            f"verifications as decoding makes them; accepted per position: {per}; over every anchor: "
+            f"{acc['per_anchor']['mean_acceptance_length']:.2f}; labels: {acc['labels']}) after {report['steps']} "
+            f"steps, {report['trained_tokens']} tokens")

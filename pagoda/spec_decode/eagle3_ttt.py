@@ -180,3 +180,15 @@ def chain_acceptance(head: DenseEagle3, aux: torch.Tensor, ids: torch.Tensor, gr
     want = torch.stack([greedy_next[1 + j:][:ids.shape[0] - 1 - k] for j in range(k)], dim=1)
     hits = drafts[:ids.shape[0] - 1 - k] == want
     return hits[anchors].long().cumprod(dim=1).bool()
+
+
+def decoding_steps(hits: torch.Tensor) -> torch.Tensor:
+    """The rows of `hits` (chain_acceptance over consecutive anchors, the first where decoding starts) that
+    decoding verifies: each verification emits its accepted drafts and the target's own token, so the next chain
+    starts that many positions on. Every anchor alone overstates what decoding gets: the anchor after a rejection
+    sits where the head just failed, and is harder than the average position."""
+    rows, a = [], 0
+    while a < len(hits):
+        rows.append(a)
+        a += int(hits[a].sum()) + 1
+    return hits[rows]
