@@ -86,8 +86,8 @@ def vocabulary_prompts(count: int, seed: int = 0) -> list[str]:
 
     held = " ".join(TOPICS[-HELD_OUT:])
     vocab = load_tokenizer(default_model_path()).backend.get_vocab()
-    words = sorted(w[1:] for w in vocab if w.startswith("\u0120") and len(w) > 6 and w[1:].isascii()
-                   and w[1:].isalpha() and w[1:].islower() and w[1:] not in held)
+    spaced = (t[1:] for t in vocab if t.startswith("\u0120"))  # a word token, after its leading space
+    words = sorted(w for w in spaced if len(w) >= 6 and w.isascii() and w.isalpha() and w.islower() and w not in held)
     rng = random.Random(seed)
     return [rng.choice(TEMPLATES).format(t=w) for w in rng.sample(words, min(count, len(words)))]
 
@@ -173,15 +173,15 @@ def report(args: argparse.Namespace) -> int:
 
     from pagoda import LLM
     from pagoda.spec_decode.eagle3_head import WEIGHTS_FILE, Eagle3Config
-    from pagoda.spec_decode.eagle3_train import Teacher, TrainOptions, evaluate, new_head, self_samples
+    from pagoda.spec_decode.eagle3_train import Teacher, TrainOptions, evaluate, self_samples
+    from pagoda.spec_decode.eagle3_ttt import DenseEagle3
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=16, kv_cache_memory="1GiB")
     runner = llm.engine.runner
     folder = Path(args.head)
-    tensors = load_file(str(folder / WEIGHTS_FILE))
     config = Eagle3Config.from_hf(json.loads((folder / "config.json").read_text()), runner.args)
-    head = new_head(runner, config, tensors["d2t"], 0)
-    head.load_state_dict({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")})
+    head = DenseEagle3(config, runner.model.embed_tokens)
+    head.load_tensors(load_file(str(folder / WEIGHTS_FILE)))
     held = prompts("heldout")[:args.prompts]
     opts = TrainOptions(corpus="", output="", gen_tokens=args.output_len, progress=False)
     with tempfile.TemporaryDirectory() as tmp:

@@ -331,9 +331,7 @@ def load_checkpoint(folder: Path, head: DenseEagle3, opt: torch.optim.AdamW) -> 
     if state is None:
         return None
     folder = _last_checkpoint(folder)
-    tensors = load_file(str(folder / "head.safetensors"))
-    head.load_state_dict({k: tensors[k] for k in head.state_dict()})
-    head.d2t = tensors["d2t"].long()
+    head.load_tensors(load_file(str(folder / "head.safetensors")))
     moments = load_file(str(folder / "optimizer.safetensors"))
     for name, p in head.named_parameters():
         if f"{name}.exp_avg" in moments:

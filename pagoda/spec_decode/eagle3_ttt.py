@@ -153,6 +153,11 @@ class DenseEagle3(nn.Module):
         t2d[self.to_target(torch.arange(self.config.draft_vocab_size))] = True
         return {**{k: v.detach().float() for k, v in self.state_dict().items()}, "d2t": self.d2t.clone(), "t2d": t2d}
 
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of tensors(): the weights and d2t (t2d follows from d2t)."""
+        self.load_state_dict({k: tensors[k] for k in self.state_dict()})
+        self.d2t = tensors["d2t"].long()
+
 
 def ttt_loss(logits: list[torch.Tensor], target_p: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Soft cross-entropy of each step against the target's distribution over the draft vocabulary at the
