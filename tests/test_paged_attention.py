@@ -13,10 +13,10 @@ import pagoda.kernels.paged_attention as pa
 from pagoda.kernels.fused_ops import write_kv_cache, write_kv_cache_torch
 
 
-def make_batch(specs, hq, hkv, d, bs, dtype, seed=0, words=False):
+def make_batch(specs, hq, hkv, d, bs, dtype, seed=0, words=False, given=None):
     """Random paged batch; specs = [(q_len, seq_len)]. Cache holds NaN in unused slots
     so any read outside a sequence's valid keys poisons the output. words: K stored as words
-    ([num_blocks, Hkv, D/2, bs, 2], pa.k_cache_shape)."""
+    ([num_blocks, Hkv, D/2, bs, 2], pa.k_cache_shape). given: per spec, its (q, k, v) instead of random ones."""
     g = torch.Generator().manual_seed(seed)
     nblk = [math.ceil(s / bs) for _, s in specs]
     num_blocks = sum(nblk) + 3
@@ -32,11 +32,14 @@ def make_batch(specs, hq, hkv, d, bs, dtype, seed=0, words=False):
         block_tables[b, : nblk[b]] = blocks.int()
         k = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
         v = torch.randn(seq_len, hkv, d, generator=g).to(dtype)
+        qb = torch.randn(q_len, hq, d, generator=g).to(dtype)
+        if given is not None:
+            qb, k, v = given[b]
         slots = blocks.repeat_interleave(bs)[:seq_len] * bs + torch.arange(seq_len) % bs
         write_kv_cache(k, v, k_cache, v_cache, slots)
         dense_k.append(k)
         dense_v.append(v)
-        qs.append(torch.randn(q_len, hq, d, generator=g).to(dtype))
+        qs.append(qb)
     qsl = torch.tensor([0] + [q for q, _ in specs], dtype=torch.int32).cumsum(0).int()
     seq_lens = torch.tensor([s for _, s in specs], dtype=torch.int32)
     return torch.cat(qs), k_cache, v_cache, block_tables, qsl, seq_lens, dense_k, dense_v
@@ -348,3 +351,34 @@ def test_tree_mask_matches_dense_attention_over_each_nodes_path(kernel, dtype):
             torch.testing.assert_close(got[row], want, atol=tol, rtol=tol)
     rest = int(qsl[len(trees)])
     torch.testing.assert_close(got[rest:], causal[rest:], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,words", [(torch.float32, False), (torch.bfloat16, False),
+                                         pytest.param(torch.bfloat16, True, marks=needs_words)],
+                         ids=["fp32", "bf16-rows", "bf16-words"])
+def test_a_tree_node_attends_bit_for_bit_as_its_path_decoded_alone(dtype, words):
+    """Greedy verification of a tree must give plain decoding's tokens: each node's attention is, to the bit, the
+    attention of a query at the end of its path laid out as a sequence of its own (the keys at the same offsets,
+    so the same lanes, bf16 key pairs and chunks), however the tree's nodes sit in the cache."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    trees = [[-1, 0, 0, 0, 1, 1, 2, 4, 4, 6], [-1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [-1, 0, 1, 0]]
+    ctx = [29, 70, 3]  # a tree across a chunk's edge, one past the mask's first 64 keys, one in the first chunk
+    specs = [(len(t), c + len(t)) for t, c in zip(trees, ctx)] + [(17, 50)]
+    q, kc, vc, bt, qsl, sl, dk, dv = make_batch(specs, hq, hkv, d, bs, dtype, seed=5, words=words)
+    mask = torch.tensor([w for t, (_, s) in zip(trees, specs) for w in _tree_words(t, s)] + [-1] * 17)
+    got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, d ** -0.5, None, None, 0, 0.0, mask)
+    alone, rows = [], []
+    for b, (t, c) in enumerate(zip(trees, ctx)):
+        for i in range(len(t)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, c + j)
+                j = t[j]
+            keys = list(range(c)) + path
+            rows.append(int(qsl[b]) + i)
+            alone.append((q[rows[-1]:rows[-1] + 1], dk[b][keys], dv[b][keys]))
+    q1, kc1, vc1, bt1, qsl1, sl1, _, _ = make_batch([(1, len(k)) for _, k, _ in alone], hq, hkv, d, bs, dtype,
+                                                     words=words, given=alone)
+    want = torch.ops.pagoda.paged_attention(q1, kc1, vc1, bt1, qsl1, sl1, d ** -0.5, None, None, 0, 0.0, None)
+    assert torch.equal(got[rows], want)

@@ -10,6 +10,11 @@
 // fp32 sums): scores straight from the K words, and P rounded to bf16 times V rows, both read in place.
 // fp32, 8-bit and row-major bf16 caches stage each chunk in fp32 and use fp32 FMAs.
 //
+// A draft-tree query (speculative decoding: a tree-mask word) is a work item of its own, and reads the keys it sees
+// as one sequence: those before the mask's span where they are, then the ones its word keeps, in order (its
+// ancestors, then itself). Its chunks then hold what decoding its path alone would put there, at the same offsets,
+// so every sum (lanes, bf16 key pairs, chunk maxima) is the same: the tree verifies with plain decoding's bits.
+//
 // Only light ATen headers are included: <torch/extension.h> costs several times their
 // compile time. The op is registered through TORCH_LIBRARY (no
 // pybind11) and called from Python as torch.ops.pagoda.paged_attention.
@@ -316,6 +321,29 @@ struct Args {
 };
 constexpr int64_t kTreeSpan = 64;
 
+// A draft-tree query's keys as one sequence: keys before `base` are themselves, key base + i is slot[i].
+// n < 0: not a tree query (its keys are its sequence's, under causality).
+struct TreeView {
+  int64_t base = 0, n = -1;
+  int32_t slot[kTreeSpan];
+  bool active() const { return n >= 0; }
+  int64_t operator()(int64_t key) const { return key < base ? key : slot[key - base]; }
+};
+inline TreeView tree_view(const WorkItem& it, const Args& a) {
+  TreeView v;
+  if (a.tree_mask == nullptr || it.q_end - it.q_begin != 1) return v;
+  const int64_t q0 = a.qsl[it.seq], seq_len = a.seq_lens[it.seq];
+  const int64_t word = a.tree_mask[q0 + it.q_begin];
+  if (word == -1) return v;
+  const int64_t own = seq_len - (a.qsl[it.seq + 1] - q0) + it.q_begin;  // the query's own key
+  const int64_t tree0 = seq_len - kTreeSpan;
+  v.base = std::max<int64_t>(0, tree0);
+  v.n = 0;
+  for (int64_t key = v.base; key <= own; ++key)  // causality on top of the word: nothing after the query
+    if ((static_cast<uint64_t>(word) >> (key - tree0)) & 1) v.slot[v.n++] = static_cast<int32_t>(key);
+  return v;
+}
+
 // The keys [begin, end) a work item reads. With a window, keys start at the block holding the tile's first
 // query's first key: blocks before it may have been freed (KVCacheManager frees blocks out of every query's
 // window), and the keys of that block before the window are this sequence's own KV, masked in run_item.
@@ -323,12 +351,13 @@ constexpr int64_t kTreeSpan = 64;
 struct KeyRange {
   int64_t begin, end;
 };
-inline KeyRange key_range(const WorkItem& it, const Args& a) {
+// For a tree query, in its view's keys.
+inline KeyRange key_range(const WorkItem& it, const Args& a, const TreeView& view) {
   const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
-  const int64_t ctx0 = a.seq_lens[it.seq] - q_len;
-  const int64_t first_pos = ctx0 + it.q_begin;
+  const int64_t end = view.active() ? view.base + view.n : a.seq_lens[it.seq] - q_len + it.q_end;
+  const int64_t first_pos = end - (it.q_end - it.q_begin);
   const int64_t begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) / a.block_size * a.block_size : 0;
-  return {begin, ctx0 + it.q_end};
+  return {begin, end};
 }
 
 // Per-thread scratch, sized once per call.
@@ -337,10 +366,13 @@ struct Scratch {
   std::vector<const float*> vrows;
   std::vector<uint16_t> pb;  // bf16 caches: P in bf16
   std::vector<const uint16_t*> qrows16;
+  std::vector<uint32_t> tree_k;  // bf16 caches with K words: a tree query's chunk gathered, as K words and V rows
+  std::vector<uint16_t> tree_v;
   PrefetchQueue next_chunk;  // bf16 caches: the lines of the chunk after the current one
-  Scratch(int64_t rows, int64_t D)
+  Scratch(int64_t rows, int64_t D, int64_t block_size, int64_t v_stride)
       : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), kr(KC * D), vbuf(KC * D), m(rows), l(rows * W),
-        zeros(D, 0.f), vrows(KC), pb(rows * KC), qrows16(rows) {}
+        zeros(D, 0.f), vrows(KC), pb(rows * KC), qrows16(rows), tree_k(KC / 16 * D / 2 * block_size),
+        tree_v(KC * v_stride) {}
 };
 
 // Requests keys [from, to) of one kv head into L2: a sequence's blocks lie anywhere in the pool, so the
@@ -397,6 +429,38 @@ inline void queue_chunk(const Args& a, const Bf16Chunk& ch, int nk, PrefetchQueu
   }
 }
 
+// A tree query's chunk of keys [c0, c0 + nk) of its view, copied into scratch laid out as the cache is (K words
+// block_size apart, V rows vc_s2 apart), so the bf16 kernels read it as they read a chunk in place. Keys past nk
+// are zeros (masked).
+template <typename C>
+inline Bf16Chunk gather_bf16_chunk(const Args& a, const C* kc, const C* vc, const WorkItem& it,
+                                   const TreeView& view, int64_t c0, int nk, Scratch& sc) {
+  const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
+  const int64_t bs = a.block_size, half = a.D / 2;
+  Bf16Chunk ch;
+  for (int g = 0; g < KC / 16; ++g) {
+    uint32_t* kg = sc.tree_k.data() + g * half * bs;
+    uint16_t* vg = sc.tree_v.data() + g * 16 * a.vc_s2;
+    for (int jj = 0; jj < 16; ++jj) {
+      const int j = g * 16 + jj;
+      uint16_t* vrow = vg + jj * a.vc_s2;
+      if (j >= nk) {
+        for (int64_t d2 = 0; d2 < half; ++d2) kg[d2 * bs + jj] = 0;
+        std::fill(vrow, vrow + a.D, uint16_t{0});
+        continue;
+      }
+      const int64_t slot = view(c0 + j), blk = bt[slot / bs], off = slot % bs;
+      const uint32_t* kw = reinterpret_cast<const uint32_t*>(kc + blk * a.kc_s0 + it.kv_head * a.kc_s1) + off;
+      for (int64_t d2 = 0; d2 < half; ++d2) kg[d2 * bs + jj] = kw[d2 * bs];
+      const uint16_t* vsrc = reinterpret_cast<const uint16_t*>(vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2);
+      std::copy(vsrc, vsrc + a.D, vrow);
+    }
+    ch.k[g] = kg;
+    ch.v[g] = vg;
+  }
+  return ch;
+}
+
 // T: the dtype of q and out; C: the cache element (T itself, or an 8-bit tag). `following`: the item this thread
 // runs next (or null); over a bf16 cache its first chunk is fetched during this item's last, so `first_queued` (not
 // the thread's first item) says the previous item did that for this one.
@@ -405,12 +469,11 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
               const C* __restrict vc, T* __restrict out, Scratch& sc, const WorkItem* following, bool first_queued) {
   const int64_t D = a.D, G = a.G, bs = a.block_size;
   const int64_t q0 = a.qsl[it.seq];
-  const int64_t q_len = a.qsl[it.seq + 1] - q0;
-  const int64_t ctx0 = a.seq_lens[it.seq] - q_len;  // absolute position of query 0
   const int64_t nq = it.q_end - it.q_begin;
   const int64_t rows = nq * G;
-  const int64_t first_pos = ctx0 + it.q_begin;  // position of the tile's first query
-  const auto [kv_begin, kv_end] = key_range(it, a);
+  const TreeView view = tree_view(it, a);
+  const auto [kv_begin, kv_end] = key_range(it, a, view);
+  const int64_t first_pos = kv_end - nq;  // position of the tile's first query (a tree query's, in its view)
   const int64_t last_pos = kv_end - 1;
   const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
 
@@ -450,14 +513,21 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
       // Keys past nk within a group are whatever the block holds: masked in S, and PV stops at nk.
-      chunk = c0 == kv_begin ? bf16_chunk(a, kc, vc, it, c0, nk) : next_chunk;  // the one queued last time
+      if (view.active() && c0 + nk > view.base)
+        chunk = gather_bf16_chunk(a, kc, vc, it, view, c0, nk, sc);
+      else
+        chunk = c0 == kv_begin ? bf16_chunk(a, kc, vc, it, c0, nk) : next_chunk;  // the one queued last time
       if (c0 == kv_begin && !first_queued) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, c0 + nk);
       if (c0 + KC < kv_end) {
         const int next_nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0 - KC));
-        next_chunk = bf16_chunk(a, kc, vc, it, c0 + KC, next_nk);
-        queue_chunk(a, next_chunk, next_nk, pf);
+        if (view.active() && c0 + KC + next_nk > view.base) {
+          pf.clear();  // gathered when it comes
+        } else {
+          next_chunk = bf16_chunk(a, kc, vc, it, c0 + KC, next_nk);
+          queue_chunk(a, next_chunk, next_nk, pf);
+        }
       } else if (following != nullptr) {
-        const KeyRange r = key_range(*following, a);
+        const KeyRange r = key_range(*following, a, tree_view(*following, a));
         const int next_nk = static_cast<int>(std::min<int64_t>(KC, r.end - r.begin));
         queue_chunk(a, bf16_chunk(a, kc, vc, *following, r.begin, next_nk), next_nk, pf);
       } else {
@@ -484,7 +554,8 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
           vrows[j] = sc.zeros.data();
           continue;
         }
-        const int64_t blk = walk.block(), off = walk.off;
+        const int64_t slot = view.active() ? view(c0 + j) : c0 + j;
+        const int64_t blk = slot == c0 + j ? walk.block() : bt[slot / bs], off = slot % bs;
         const C* krow = kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2;
         const C* vrow = vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2;
         float ks = 1.f, vs = 1.f;
@@ -518,7 +589,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
     const bool need_mask = c0 + KC - 1 > first_pos;
     const bool need_window = a.window > 0 && c0 <= last_pos - a.window;
     const int64_t tree0 = a.seq_lens[it.seq] - kTreeSpan;  // the first key a tree mask covers
-    const bool need_tree = a.tree_mask != nullptr && c0 + KC > tree0;
+    const bool need_tree = a.tree_mask != nullptr && !view.active() && c0 + KC > tree0;
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = S + r * KC;
@@ -615,7 +686,7 @@ void run_all(const std::vector<WorkItem>& items, const Args& a, const at::Tensor
   // cost) from a shared counter instead, one ahead, so that it can fetch that item's first keys early.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    Scratch sc(max_rows, a.D);
+    Scratch sc(max_rows, a.D, a.block_size, a.vc_s2);
     for (int64_t i = next.fetch_add(1), first = i; i < n;) {
       const int64_t j = next.fetch_add(1);
       run_item<T, C>(items[i], a, qp, kp, vp, op, sc, j < n ? &items[j] : nullptr, i != first);
@@ -704,8 +775,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
     TORCH_CHECK(q_len >= 0 && ctx0 >= 0, "seq_lens[", b, "] smaller than its query count");
     TORCH_CHECK((a.seq_lens[b] + a.block_size - 1) / a.block_size <= block_tables.size(1),
                 "block table too short for seq ", b);
-    for (int64_t i0 = 0; i0 < q_len; i0 += tile_q) {
-      const int64_t i1 = std::min(q_len, i0 + tile_q);
+    // Tree queries (a mask word other than -1) come after the causal ones, each an item of its own (tree_view).
+    int64_t first_tree = q_len;
+    if (a.tree_mask != nullptr)
+      for (int64_t i = 0; i < q_len && first_tree == q_len; ++i)
+        if (a.tree_mask[a.qsl[b] + i] != -1) first_tree = i;
+    for (int64_t i0 = 0, i1; i0 < q_len; i0 = i1) {
+      i1 = i0 < first_tree ? std::min(first_tree, i0 + tile_q) : i0 + 1;
       for (int64_t g = 0; g < Hkv; ++g)
         items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g), static_cast<int32_t>(i0),
                          static_cast<int32_t>(i1),
