@@ -10,10 +10,11 @@
 // fp32 sums): scores straight from the K words, and P rounded to bf16 times V rows, both read in place.
 // fp32, 8-bit and row-major bf16 caches stage each chunk in fp32 and use fp32 FMAs.
 //
-// A draft-tree query (speculative decoding: a tree-mask word) is a work item of its own, and reads the keys it sees
-// as one sequence: those before the mask's span where they are, then the ones its word keeps, in order (its
-// ancestors, then itself). Its chunks then hold what decoding its path alone would put there, at the same offsets,
-// so every sum (lanes, bf16 key pairs, chunk maxima) is the same: the tree verifies with plain decoding's bits.
+// A draft-tree query (speculative decoding: a tree-mask word) reads the keys it sees as one sequence: those up to
+// the first one its word hides where they are, then the ones it keeps, in order (its ancestors, then itself). Its
+// chunks then hold what decoding its path alone would put there, at the same offsets, so every sum (lanes, bf16 key
+// pairs, chunk maxima) is the same: a tree verifies with plain decoding's bits. A tile of tree queries reads the
+// chunks their views share once for all of them, and the rest once per query, gathered.
 //
 // Only light ATen headers are included: <torch/extension.h> costs several times their
 // compile time. The op is registered through TORCH_LIBRARY (no
@@ -322,25 +323,27 @@ struct Args {
 constexpr int64_t kTreeSpan = 64;
 
 // A draft-tree query's keys as one sequence: keys before `base` are themselves, key base + i is slot[i].
-// n < 0: not a tree query (its keys are its sequence's, under causality).
 struct TreeView {
-  int64_t base = 0, n = -1;
+  int64_t base = 0, n = 0;
   int32_t slot[kTreeSpan];
-  bool active() const { return n >= 0; }
+  int64_t len() const { return base + n; }
   int64_t operator()(int64_t key) const { return key < base ? key : slot[key - base]; }
 };
-inline TreeView tree_view(const WorkItem& it, const Args& a) {
+// Query `qi` of sequence `seq`: its keys up to the first its word hides (up to itself with word -1), then those it
+// keeps, never past itself.
+inline TreeView tree_view(const Args& a, int64_t seq, int64_t qi) {
+  const int64_t q0 = a.qsl[seq], seq_len = a.seq_lens[seq];
+  const int64_t word = a.tree_mask[q0 + qi];
+  const int64_t own = seq_len - (a.qsl[seq + 1] - q0) + qi;  // the query's own key
+  const int64_t tree0 = seq_len - kTreeSpan;                 // the key bit 0 covers
+  const auto sees = [&](int64_t key) {
+    return word == -1 || key < tree0 || ((static_cast<uint64_t>(word) >> (key - tree0)) & 1);
+  };
   TreeView v;
-  if (a.tree_mask == nullptr || it.q_end - it.q_begin != 1) return v;
-  const int64_t q0 = a.qsl[it.seq], seq_len = a.seq_lens[it.seq];
-  const int64_t word = a.tree_mask[q0 + it.q_begin];
-  if (word == -1) return v;
-  const int64_t own = seq_len - (a.qsl[it.seq + 1] - q0) + it.q_begin;  // the query's own key
-  const int64_t tree0 = seq_len - kTreeSpan;
   v.base = std::max<int64_t>(0, tree0);
-  v.n = 0;
-  for (int64_t key = v.base; key <= own; ++key)  // causality on top of the word: nothing after the query
-    if ((static_cast<uint64_t>(word) >> (key - tree0)) & 1) v.slot[v.n++] = static_cast<int32_t>(key);
+  while (v.base <= own && sees(v.base)) ++v.base;
+  for (int64_t key = v.base; key <= own; ++key)
+    if (sees(key)) v.slot[v.n++] = static_cast<int32_t>(key);
   return v;
 }
 
@@ -351,11 +354,11 @@ inline TreeView tree_view(const WorkItem& it, const Args& a) {
 struct KeyRange {
   int64_t begin, end;
 };
-// For a tree query, in its view's keys.
-inline KeyRange key_range(const WorkItem& it, const Args& a, const TreeView& view) {
+inline KeyRange key_range(const WorkItem& it, const Args& a) {
   const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
-  const int64_t end = view.active() ? view.base + view.n : a.seq_lens[it.seq] - q_len + it.q_end;
-  const int64_t first_pos = end - (it.q_end - it.q_begin);
+  const int64_t ctx0 = a.seq_lens[it.seq] - q_len;
+  const int64_t first_pos = ctx0 + it.q_begin;
+  const int64_t end = ctx0 + it.q_end;
   const int64_t begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) / a.block_size * a.block_size : 0;
   return {begin, end};
 }
@@ -368,11 +371,12 @@ struct Scratch {
   std::vector<const uint16_t*> qrows16;
   std::vector<uint32_t> tree_k;  // bf16 caches with K words: a tree query's chunk gathered, as K words and V rows
   std::vector<uint16_t> tree_v;
+  std::vector<TreeView> views;   // a tile of tree queries' views
   PrefetchQueue next_chunk;  // bf16 caches: the lines of the chunk after the current one
   Scratch(int64_t rows, int64_t D, int64_t block_size, int64_t v_stride)
       : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), kr(KC * D), vbuf(KC * D), m(rows), l(rows * W),
         zeros(D, 0.f), vrows(KC), pb(rows * KC), qrows16(rows), tree_k(KC / 16 * D / 2 * block_size),
-        tree_v(KC * v_stride) {}
+        tree_v(KC * v_stride), views(rows) {}
 };
 
 // Requests keys [from, to) of one kv head into L2: a sequence's blocks lie anywhere in the pool, so the
@@ -471,11 +475,28 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   const int64_t q0 = a.qsl[it.seq];
   const int64_t nq = it.q_end - it.q_begin;
   const int64_t rows = nq * G;
-  const TreeView view = tree_view(it, a);
-  const auto [kv_begin, kv_end] = key_range(it, a, view);
-  const int64_t first_pos = kv_end - nq;  // position of the tile's first query (a tree query's, in its view)
-  const int64_t last_pos = kv_end - 1;
+  auto [kv_begin, kv_end] = key_range(it, a);
+  const int64_t first_pos = kv_end - nq;  // position of the tile's first query
   const int32_t* bt = a.block_tables + it.seq * a.bt_stride;
+  // A tile of tree queries: each query's view of its keys; keys before `shared` are every view's own.
+  const bool tree = a.tree_mask != nullptr && a.tree_mask[q0 + it.q_begin] != -1;
+  TreeView* views = sc.views.data();
+  int64_t shared = kv_end;
+  if (tree) {
+    kv_end = 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      views[i] = tree_view(a, it.seq, it.q_begin + i);
+      shared = std::min(shared, views[i].base);
+      kv_end = std::max(kv_end, views[i].len());
+    }
+    if (a.window > 0) {  // from the first position the tile's views reach (queries past the first sit deeper)
+      int64_t p = kv_end;
+      for (int64_t i = 0; i < nq; ++i) p = std::min(p, views[i].len() - 1);
+      kv_begin = std::max<int64_t>(0, p - a.window + 1) / bs * bs;
+    }
+  }
+  // Row r's query position (a tree query's in its view).
+  const auto row_pos = [&](int64_t r) { return tree ? views[r / G].len() - 1 : first_pos + r / G; };
 
   // A bf16 cache with K words is read in place: K by qk_pairs_tile, V rows by pv_bf16_tile.
   const bool bf16_cache = kBf16Dot && std::is_same<C, c10::BFloat16>::value && a.k_words;
@@ -508,41 +529,43 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
   [[maybe_unused]] const auto vrow_seg = [&](int j) { return chunk.v[j >> 4] + (j & 15) * vs2; };
   [[maybe_unused]] PrefetchQueue& pf = sc.next_chunk;
 
-  for (int64_t c0 = kv_begin; c0 < kv_end; c0 += KC) {
-    const int nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0));
+  // Keys [c0, c0 + nk) for rows [r_lo, r_hi): read in place (view null: keys are their slots), or through a
+  // tree query's view.
+  const auto run_chunk = [&](int64_t c0, int nk, int64_t r_lo, int64_t r_hi, const TreeView* view) {
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
       // Keys past nk within a group are whatever the block holds: masked in S, and PV stops at nk.
-      if (view.active() && c0 + nk > view.base)
-        chunk = gather_bf16_chunk(a, kc, vc, it, view, c0, nk, sc);
-      else
+      if (view != nullptr) {
+        chunk = gather_bf16_chunk(a, kc, vc, it, *view, c0, nk, sc);
+        pf.clear();
+      } else {
         chunk = c0 == kv_begin ? bf16_chunk(a, kc, vc, it, c0, nk) : next_chunk;  // the one queued last time
-      if (c0 == kv_begin && !first_queued) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, c0 + nk);
-      if (c0 + KC < kv_end) {
-        const int next_nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0 - KC));
-        if (view.active() && c0 + KC + next_nk > view.base) {
-          pf.clear();  // gathered when it comes
-        } else {
+        if (c0 == kv_begin && !first_queued) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, c0 + nk);
+        const bool next_in_place = !tree || c0 + 2 * KC <= shared;
+        if (c0 + KC < kv_end && next_in_place) {
+          const int next_nk = static_cast<int>(std::min<int64_t>(KC, kv_end - c0 - KC));
           next_chunk = bf16_chunk(a, kc, vc, it, c0 + KC, next_nk);
           queue_chunk(a, next_chunk, next_nk, pf);
+        } else if (c0 + KC >= kv_end && following != nullptr) {
+          const KeyRange r = key_range(*following, a);
+          const int next_nk = static_cast<int>(std::min<int64_t>(KC, r.end - r.begin));
+          queue_chunk(a, bf16_chunk(a, kc, vc, *following, r.begin, next_nk), next_nk, pf);
+        } else {
+          pf.clear();  // the next chunk is gathered per tree query, or there is none
         }
-      } else if (following != nullptr) {
-        const KeyRange r = key_range(*following, a, tree_view(*following, a));
-        const int next_nk = static_cast<int>(std::min<int64_t>(KC, r.end - r.begin));
-        queue_chunk(a, bf16_chunk(a, kc, vc, *following, r.begin, next_nk), next_nk, pf);
-      } else {
-        pf.clear();
       }
-      for (int64_t r0 = 0; r0 < rows; r0 += RB)
-        dispatch_rows<QKP>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
+      for (int64_t r0 = r_lo; r0 < r_hi; r0 += RB)
+        dispatch_rows<QKP>(static_cast<int>(std::min<int64_t>(RB, r_hi - r0)),
                            static_cast<const uint16_t* const*>(sc.qrows16.data() + r0),
                            static_cast<const uint32_t*>(chunk.k[0]), static_cast<const uint32_t*>(chunk.k[1]), bs, D,
                            a.scale, S + r0 * KC, &pf);
     } else
 #endif
     {
-    if (c0 == kv_begin) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, std::min<int64_t>(kv_end, c0 + KC));
-    prefetch_keys(a, kc, vc, bt, it.kv_head, c0 + KC, std::min<int64_t>(kv_end, c0 + 2 * KC));
+    if (view == nullptr) {
+      if (c0 == kv_begin) prefetch_keys(a, kc, vc, bt, it.kv_head, c0, std::min<int64_t>(kv_end, c0 + KC));
+      prefetch_keys(a, kc, vc, bt, it.kv_head, c0 + KC, std::min(std::min(kv_end, shared), c0 + 2 * KC));
+    }
     // Gather the chunk: K transposed to [D][KC] fp32, V as row pointers (fp32 cache
     // is read in place; bf16 and 8-bit rows are converted into scratch).
     {  // K rows staged row-major in fp32 (8-bit ones decoded and scaled), then transposed W x W at a time
@@ -554,7 +577,7 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
           vrows[j] = sc.zeros.data();
           continue;
         }
-        const int64_t slot = view.active() ? view(c0 + j) : c0 + j;
+        const int64_t slot = view != nullptr ? (*view)(c0 + j) : c0 + j;
         const int64_t blk = slot == c0 + j ? walk.block() : bt[slot / bs], off = slot % bs;
         const C* krow = kc + blk * a.kc_s0 + it.kv_head * a.kc_s1 + off * a.kc_s2;
         const C* vrow = vc + blk * a.vc_s0 + it.kv_head * a.vc_s1 + off * a.vc_s2;
@@ -577,39 +600,27 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
         for (int64_t db = 0; db < D; db += W) transpose_block(Kr + jb * D + db, D, Kt + db * KC + jb, KC);
     }
 
-    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-      const int rb = static_cast<int>(std::min<int64_t>(RB, rows - r0));
+    for (int64_t r0 = r_lo; r0 < r_hi; r0 += RB) {
+      const int rb = static_cast<int>(std::min<int64_t>(RB, r_hi - r0));
       dispatch_rows<QK>(rb, static_cast<const float*>(Q + r0 * D), D,
                         static_cast<const float*>(Kt), D, S + r0 * KC);
     }
     }
 
-    // Causal mask only where the chunk reaches past the tile's first query; the window's only where the
-    // chunk starts before the last query's window.
-    const bool need_mask = c0 + KC - 1 > first_pos;
-    const bool need_window = a.window > 0 && c0 <= last_pos - a.window;
-    const int64_t tree0 = a.seq_lens[it.seq] - kTreeSpan;  // the first key a tree mask covers
-    const bool need_tree = a.tree_mask != nullptr && !view.active() && c0 + KC > tree0;
+    // Causal mask only where the chunk reaches past the row's query; the window's only where the chunk starts
+    // before the query's window.
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r_lo; r < r_hi; ++r) {
       float* sr = S + r * KC;
       if (a.softcap > 0.f)
         for (int j = 0; j < KC; ++j) sr[j] = a.softcap * std::tanh(sr[j] / a.softcap);
-      const int64_t pos = first_pos + r / G;
-      if (need_mask)
+      const int64_t pos = row_pos(r);
+      if (c0 + KC - 1 > pos)
         for (int j = 0; j < KC; ++j)
           if (c0 + j > pos) sr[j] = kNegInf;
-      if (need_window)
+      if (a.window > 0 && c0 <= pos - a.window)
         for (int j = 0; j < KC; ++j)
           if (c0 + j <= pos - a.window) sr[j] = kNegInf;
-      if (need_tree) {
-        const int64_t tm = a.tree_mask[q0 + it.q_begin + r / G];
-        if (tm != -1)
-          for (int j = 0; j < KC; ++j) {
-            const int64_t bit = c0 + j - tree0;
-            if (bit >= 0 && bit < kTreeSpan && !((tm >> bit) & 1)) sr[j] = kNegInf;
-          }
-      }
       const vf s0 = vload(sr), s1 = vload(sr + W);
       const float cmax = hmax(s0 > s1 ? s0 : s1);
       // Without a window every row has a finite max after chunk 0. With one, a later query's row may have
@@ -635,21 +646,31 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
       uint16_t* pb = sc.pb.data();
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = r_lo; r < r_hi; ++r)
         _mm512_storeu_si512(pb + r * KC, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(S + r * KC + W),
                                                                       _mm512_loadu_ps(S + r * KC)));
-      for (int64_t r0 = 0; r0 < rows; r0 += RB)
-        dispatch_rows<PVB>(static_cast<int>(std::min<int64_t>(RB, rows - r0)),
+      for (int64_t r0 = r_lo; r0 < r_hi; r0 += RB)
+        dispatch_rows<PVB>(static_cast<int>(std::min<int64_t>(RB, r_hi - r0)),
                            static_cast<const uint16_t*>(pb + r0 * KC), vrow_seg, nk, D, O + r0 * D, &pf);
       pf.drain();
-      continue;
+      return;
     }
 #endif
-    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-      const int rb = static_cast<int>(std::min<int64_t>(RB, rows - r0));
+    for (int64_t r0 = r_lo; r0 < r_hi; r0 += RB) {
+      const int rb = static_cast<int>(std::min<int64_t>(RB, r_hi - r0));
       dispatch_rows<PV>(rb, static_cast<const float*>(S + r0 * KC),
                         static_cast<const float* const*>(vrows), nk, D, O + r0 * D);
     }
+  };
+
+  for (int64_t c0 = kv_begin; c0 < kv_end; c0 += KC) {
+    if (c0 + KC <= shared || !tree) {
+      run_chunk(c0, static_cast<int>(std::min<int64_t>(KC, kv_end - c0)), 0, rows, nullptr);
+      continue;
+    }
+    for (int64_t i = 0; i < nq; ++i)  // past the keys the views share: each query's own chunk
+      if (c0 < views[i].len())
+        run_chunk(c0, static_cast<int>(std::min<int64_t>(KC, views[i].len() - c0)), i * G, (i + 1) * G, &views[i]);
   }
 
   for (int64_t i = 0; i < nq; ++i)
@@ -775,13 +796,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
     TORCH_CHECK(q_len >= 0 && ctx0 >= 0, "seq_lens[", b, "] smaller than its query count");
     TORCH_CHECK((a.seq_lens[b] + a.block_size - 1) / a.block_size <= block_tables.size(1),
                 "block table too short for seq ", b);
-    // Tree queries (a mask word other than -1) come after the causal ones, each an item of its own (tree_view).
+    // Tree queries (a mask word other than -1) come after the causal ones: tiles of their own (tree_view).
     int64_t first_tree = q_len;
     if (a.tree_mask != nullptr)
       for (int64_t i = 0; i < q_len && first_tree == q_len; ++i)
         if (a.tree_mask[a.qsl[b] + i] != -1) first_tree = i;
     for (int64_t i0 = 0, i1; i0 < q_len; i0 = i1) {
-      i1 = i0 < first_tree ? std::min(first_tree, i0 + tile_q) : i0 + 1;
+      i1 = std::min(i0 < first_tree ? first_tree : q_len, i0 + tile_q);
       for (int64_t g = 0; g < Hkv; ++g)
         items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(g), static_cast<int32_t>(i0),
                          static_cast<int32_t>(i1),
