@@ -373,10 +373,10 @@ struct Scratch {
   std::vector<uint16_t> tree_v;
   std::vector<TreeView> views;   // a tile of tree queries' views
   PrefetchQueue next_chunk;  // bf16 caches: the lines of the chunk after the current one
-  Scratch(int64_t rows, int64_t D, int64_t block_size, int64_t v_stride)
+  Scratch(int64_t rows, int64_t D, int64_t block_size, int64_t v_stride, bool trees)
       : q(rows * D), s(rows * KC), o(rows * D), kt(D * KC), kr(KC * D), vbuf(KC * D), m(rows), l(rows * W),
-        zeros(D, 0.f), vrows(KC), pb(rows * KC), qrows16(rows), tree_k(KC / 16 * D / 2 * block_size),
-        tree_v(KC * v_stride), views(rows) {}
+        zeros(D, 0.f), vrows(KC), pb(rows * KC), qrows16(rows), tree_k(trees ? KC / 16 * D / 2 * block_size : 0),
+        tree_v(trees ? KC * v_stride : 0), views(trees ? rows : 0) {}
 };
 
 // Requests keys [from, to) of one kv head into L2: a sequence's blocks lie anywhere in the pool, so the
@@ -707,7 +707,7 @@ void run_all(const std::vector<WorkItem>& items, const Args& a, const at::Tensor
   // cost) from a shared counter instead, one ahead, so that it can fetch that item's first keys early.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-    Scratch sc(max_rows, a.D, a.block_size, a.vc_s2);
+    Scratch sc(max_rows, a.D, a.block_size, a.vc_s2, a.tree_mask != nullptr);
     for (int64_t i = next.fetch_add(1), first = i; i < n;) {
       const int64_t j = next.fetch_add(1);
       run_item<T, C>(items[i], a, qp, kp, vp, op, sc, j < n ? &items[j] : nullptr, i != first);
