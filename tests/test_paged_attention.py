@@ -317,6 +317,18 @@ def _tree_words(parents: list[int], seq_len: int) -> list[int]:
     return words
 
 
+def _node_keys(trees: list[list[int]], ctx: list[int]):
+    """Per node of each tree (parents, after ctx[b] context keys): (tree, node, the keys it sees: the context, then
+    its ancestors and itself in depth order)."""
+    for b, (t, c) in enumerate(zip(trees, ctx)):
+        for i in range(len(t)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, c + j)
+                j = t[j]
+            yield b, i, list(range(c)) + path
+
+
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_mask_matches_dense_attention_over_each_nodes_path(kernel, dtype):
@@ -335,20 +347,14 @@ def test_tree_mask_matches_dense_attention_over_each_nodes_path(kernel, dtype):
     got = attend(q, kc, vc, bt, qsl, sl, scale).float()
     causal = dense_sdpa(q, dk, dv, qsl, scale).float()
     g = hq // hkv
-    for b, (t, c) in enumerate(zip(trees, ctx)):
-        for i in range(len(t)):
-            path, j = [], i
-            while j >= 0:
-                path.insert(0, c + j)
-                j = t[j]
-            keys = list(range(c)) + path
-            k = dk[b][keys].float().repeat_interleave(g, dim=1)  # [n, Hq, D]
-            v = dv[b][keys].float().repeat_interleave(g, dim=1)
-            row = int(qsl[b]) + i
-            probs = torch.einsum("hd,nhd->hn", q[row].float() * scale, k).softmax(-1)
-            want = torch.einsum("hn,nhd->hd", probs, v)
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got[row], want, atol=tol, rtol=tol)
+    for b, i, keys in _node_keys(trees, ctx):
+        k = dk[b][keys].float().repeat_interleave(g, dim=1)  # [n, Hq, D]
+        v = dv[b][keys].float().repeat_interleave(g, dim=1)
+        row = int(qsl[b]) + i
+        probs = torch.einsum("hd,nhd->hn", q[row].float() * scale, k).softmax(-1)
+        want = torch.einsum("hn,nhd->hd", probs, v)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[row], want, atol=tol, rtol=tol)
     rest = int(qsl[len(trees)])
     torch.testing.assert_close(got[rest:], causal[rest:], atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
 
@@ -369,15 +375,9 @@ def test_a_tree_node_attends_bit_for_bit_as_its_path_decoded_alone(dtype, words)
     mask = torch.tensor([w for t, (_, s) in zip(trees, specs) for w in _tree_words(t, s)] + [-1] * 17)
     got = torch.ops.pagoda.paged_attention(q, kc, vc, bt, qsl, sl, d ** -0.5, None, None, 0, 0.0, mask)
     alone, rows = [], []
-    for b, (t, c) in enumerate(zip(trees, ctx)):
-        for i in range(len(t)):
-            path, j = [], i
-            while j >= 0:
-                path.insert(0, c + j)
-                j = t[j]
-            keys = list(range(c)) + path
-            rows.append(int(qsl[b]) + i)
-            alone.append((q[rows[-1]:rows[-1] + 1], dk[b][keys], dv[b][keys]))
+    for b, i, keys in _node_keys(trees, ctx):
+        rows.append(int(qsl[b]) + i)
+        alone.append((q[rows[-1]:rows[-1] + 1], dk[b][keys], dv[b][keys]))
     q1, kc1, vc1, bt1, qsl1, sl1, _, _ = make_batch([(1, len(k)) for _, k, _ in alone], hq, hkv, d, bs, dtype,
                                                      words=words, given=alone)
     want = torch.ops.pagoda.paged_attention(q1, kc1, vc1, bt1, qsl1, sl1, d ** -0.5, None, None, 0, 0.0, None)

@@ -358,9 +358,8 @@ inline KeyRange key_range(const WorkItem& it, const Args& a) {
   const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
   const int64_t ctx0 = a.seq_lens[it.seq] - q_len;
   const int64_t first_pos = ctx0 + it.q_begin;
-  const int64_t end = ctx0 + it.q_end;
   const int64_t begin = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) / a.block_size * a.block_size : 0;
-  return {begin, end};
+  return {begin, ctx0 + it.q_end};
 }
 
 // Per-thread scratch, sized once per call.
