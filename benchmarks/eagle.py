@@ -147,13 +147,13 @@ def run(args: argparse.Namespace) -> int:
             spread = [a / b for a, b in zip(rates[name], rates["plain"])]  # each round's ratio
             # The rounds alternate the engines, so a round's ratio pairs runs a few seconds apart: its median
             # holds while the machine drifts, where the ratio of medians pairs runs minutes apart.
-            rows.append((conc, name, e, p, e / p, statistics.median(spread), st.mean_acceptance_length, per_pos,
-                         same))
+            paired = statistics.median(spread)
+            rows.append((conc, name, e, p, e / p, paired, st.mean_acceptance_length, per_pos, same))
             c = llm.engine.speculator.policy.cost  # measured as the engine started, beside the other engines
             print(f"  {name}: cost model at start-up: target {1e3 * c.c0:.2f} ms + {1e3 * c.c1:.2f} ms a token, "
                   f"draft pass {1e3 * c.d0:.2f} ms + {1e3 * c.d1:.2f} ms a row", flush=True)
             print(f"concurrency {conc}, {name}: eagle3 {e:.1f} tok/s vs plain {p:.1f} ({e / p:.2f}x; rounds "
-                  f"{min(spread):.2f}-{max(spread):.2f}x, median {statistics.median(spread):.2f}x), acceptance "
+                  f"{min(spread):.2f}-{max(spread):.2f}x, median {paired:.2f}x), acceptance "
                   f"length {st.mean_acceptance_length:.2f}, per position {' '.join(f'{x:.2f}' for x in per_pos)}, "
                   f"identical tokens: {same}", flush=True)
         del llms
