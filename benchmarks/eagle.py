@@ -19,7 +19,8 @@ at end of turn as a chat would) with the same engine settings with and without t
 with one EAGLE-3 engine per --trees ('chain', or a speculative_token_tree in vLLM's form), per
 --head-quantization (the head's linears as stored, or quantized as they load) and per --adaptive (the
 controller choosing k, or k every step), and checks that
-every answer is the same tokens either way. Prints the ratios, the mean acceptance length and the acceptance
+every answer is the same tokens either way. Prints the ratios (of the medians, and the median of the rounds'
+paired ratios), the mean acceptance length and the acceptance
 per draft depth (the share of verifications that accepted a proposal at depth j).
 """
 from __future__ import annotations
