@@ -530,7 +530,8 @@ void run_item(const WorkItem& it, const Args& a, const T* __restrict q, const C*
 
   // Keys [c0, c0 + nk) for rows [r_lo, r_hi): read in place (view null: keys are their slots), or through a
   // tree query's view.
-  const auto run_chunk = [&](int64_t c0, int nk, int64_t r_lo, int64_t r_hi, const TreeView* view) {
+  const auto run_chunk = [&](int64_t c0, int nk, int64_t r_lo, int64_t r_hi, const TreeView* view)
+                             __attribute__((always_inline)) {
 #if defined(__AVX512BF16__)
     if (bf16_cache) {
       // Keys past nk within a group are whatever the block holds: masked in S, and PV stops at nk.
