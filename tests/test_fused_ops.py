@@ -216,6 +216,26 @@ def test_quantized_kv_write_every_tail_stores_the_torch_bytes(dtype, cache_dtype
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the C++ kernels did not build")
+def test_kv_slot_moves_copy_what_the_torch_twin_copies_in_every_cache_layout():
+    """A draft tree's accepted nodes move to their positions' slots in every layer: K as rows or as words, V, and
+    an 8-bit pool's scales, in one call. Moves run in order (the second reads the slot the first wrote) and touch
+    nothing else."""
+    torch.manual_seed(0)
+    n, H, bs, D = 5, 3, 16, 8
+    caches = [torch.randn(n, H, bs, D, dtype=torch.bfloat16),             # V, or K as rows
+              torch.randn(n, H, D // 2, bs, 2, dtype=torch.bfloat16),     # K as words
+              torch.randn(n, H, bs, D).to(torch.float8_e4m3fn),           # an 8-bit pool
+              torch.rand(n, H, bs)]                                       # its scales
+    moves = [(2 * bs + 5, 17), (17, 3 * bs + 15), (4 * bs, 4 * bs + 1)]
+    want = [c.clone() for c in caches]
+    fused_ops.move_kv_slots_torch(want, moves, bs)
+    fused_ops.move_kv_slots(caches, moves, bs)
+    for got, ref in zip(caches, want):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    # the torch twin itself moved what it should: slot 3 * bs + 15 holds what slot 2 * bs + 5 held
+    assert torch.equal(want[0][3, :, 15], want[0][2, :, 5]) and torch.equal(want[1][3, :, :, 15], want[1][2, :, :, 5])
+
+
 def test_fused_ops_bench_times_every_op(capsys):
     """`benchmarks/fused_ops.py` (docs/benchmarks.md's fused-op figures) calls each op at its shapes."""
     from benchmarks.fused_ops import main

@@ -14,6 +14,7 @@ from pagoda.config import EngineConfig
 from pagoda.core import draft_tree
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.distributed.tensor_parallel import Shard, parallelize
+from pagoda.kernels.fused_ops import move_kv_slots
 from pagoda.kernels.kv_quant import SCALE_DTYPE, kv_cache_format
 from pagoda.kernels.paged_attention import AttentionMetadata, k_cache_shape
 from pagoda.kernels.policy import KernelPolicy
@@ -164,20 +165,9 @@ class ModelRunner:
 
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
         """Copy the KV of single token slots (from, to), in every layer: a verified draft tree's accepted nodes to
-        the slots of their positions (core/draft_tree.py). A move never reads a slot an earlier one wrote."""
-        if not moves:
-            return
-        bs = self.block_size
-        src_b = torch.tensor([s // bs for s, _ in moves], device=self.device)
-        src_o = torch.tensor([s % bs for s, _ in moves], device=self.device)
-        dst_b = torch.tensor([d // bs for _, d in moves], device=self.device)
-        dst_o = torch.tensor([d % bs for _, d in moves], device=self.device)
-        for k, v in self.kv_caches + self.kv_scales:
-            for cache in (k, v):
-                if cache.dim() == 5:  # K words [n, Hkv, D/2, block_size, 2]: the slot is dim 3
-                    cache[dst_b, :, :, dst_o] = cache[src_b, :, :, src_o]
-                else:  # [n, Hkv, block_size, ...]
-                    cache[dst_b, :, dst_o] = cache[src_b, :, src_o]
+        the slots of their positions (core/draft_tree.py)."""
+        if moves:
+            move_kv_slots([c for kv in self.kv_caches + self.kv_scales for c in kv], moves, self.block_size)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -1,4 +1,5 @@
-"""Fused per-layer ops (RMSNorm with residual add, RoPE, SiLU-and-mul, KV write), and the sampler's argmax.
+"""Fused per-layer ops (RMSNorm with residual add, RoPE, SiLU-and-mul, KV write), the KV slot moves of draft
+trees, and the sampler's argmax.
 
 Each has a C++ CPU kernel (pagoda/kernels/cpu/fused_ops.cpp) and a torch twin with the same numerics (fp32 math,
 HF's rounding points): `op` runs the kernel where it is built and takes the tensors (CPU fp32/bf16, the layout it
@@ -118,6 +119,26 @@ def write_kv_cache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
     else:
         k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+
+
+def move_kv_slots(caches: list[torch.Tensor], moves: list[tuple[int, int]], block_size: int) -> None:
+    """Copy single token slots (from, to), in order, in each paged cache (K, V, an 8-bit pool's scales): a
+    verified draft tree's accepted nodes to the slots of their positions. One call for every cache: a model's
+    layers times K and V make tens of tensors, and an indexed copy of each would cost more than the copies."""
+    if caches and all(c.device.type == "cpu" and c.is_contiguous() for c in caches) and kernel_available():
+        torch.ops.pagoda.move_kv_slots_(caches, torch.tensor(moves, dtype=torch.int64).view(-1, 2))
+        return
+    move_kv_slots_torch(caches, moves, block_size)
+
+
+def move_kv_slots_torch(caches: list[torch.Tensor], moves: list[tuple[int, int]], block_size: int) -> None:
+    for src, dst in moves:  # in order: a later move may read a slot an earlier one wrote
+        sb, so, db, do = src // block_size, src % block_size, dst // block_size, dst % block_size
+        for cache in caches:
+            if cache.dim() == 5:  # K words [n, Hkv, D/2, block_size, 2]: the slot is dim 3
+                cache[db, :, :, do] = cache[sb, :, :, so]
+            else:  # [n, Hkv, block_size, ...]
+                cache[db, :, do] = cache[sb, :, so]
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ class HeadProposer:
         self.draft_kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[int, _SeqState] = {}
         self.target_ids = head.to_target(torch.arange(head.draft_vocab_size))  # draft id -> target id
+        self.target_list: list[int] = self.target_ids.tolist()  # the same, read one id at a time
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def release_except(self, live: set[int]) -> None:
@@ -204,12 +205,18 @@ class HeadProposer:
                 shape, st, seq = shapes[i], self.seqs[seqs[i].seq_id], seqs[i]
                 assert shape is not None
                 level = [p for p in shape.paths if len(p) == depth]
-                for p in level:
-                    parent = logits[i][p[:-1]]
-                    if trees and trees[i] is not None:  # a tree: the token of its rank
-                        tokens[i][p] = int(self.target_ids[parent.topk(p[-1] + 1).indices[p[-1]]])
-                    else:  # a chain: the head's choice, or its draw for a sampled row
-                        tokens[i][p], q = self._sample(parent, seq)
+                if trees and trees[i] is not None:  # a tree: each node the token of its rank below its parent
+                    ranks: dict[tuple[int, ...], int] = {}
+                    for p in level:
+                        ranks[p[:-1]] = max(ranks.get(p[:-1], 0), p[-1] + 1)
+                    # one ranking per parent: its children are distinct tokens even where the head's logits tie
+                    ranked = {q: [self.target_list[d] for d in logits[i][q].topk(n).indices.tolist()]
+                              for q, n in ranks.items()}
+                    for p in level:
+                        tokens[i][p] = ranked[p[:-1]][p[-1]]
+                else:  # a chain: the head's choice, or its draw for a sampled row
+                    for p in level:
+                        tokens[i][p], q = self._sample(logits[i][p[:-1]], seq)
                         if q is not None:
                             qs[i].append(q)
                 run_here = [p for p in level if p in inner[i]]
@@ -250,12 +257,12 @@ class HeadProposer:
         """A draft-vocabulary row -> (target token, q over the target vocabulary, None for greedy rows)."""
         p = seq.request.params
         if p.greedy:
-            return int(self.target_ids[logits.argmax()]), None
+            return self.target_list[int(logits.argmax())], None
         q_draft = (logits / p.temperature).softmax(dim=-1)
         d = torch.multinomial(q_draft, 1, generator=seq.generator)[0]
         q = torch.zeros(self.vocab_size)
         q[self.target_ids] = q_draft
-        return int(self.target_ids[d]), q
+        return self.target_list[int(d)], q
 
     def calibrate(self, reps: int = 5) -> tuple[float, float]:
         """Seconds of one chain pass over 1 and over 8 rows (best of `reps`), in blocks all free at start-up."""

@@ -282,6 +282,37 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
   }
 }
 
+
+// Copy single token slots (src -> dst, in order) in each paged cache: a verified draft tree's accepted nodes
+// to the slots of their positions. moves: int64 [M, 2] of slot numbers (block * block_size + offset). A cache is
+// [blocks, Hkv, block_size, ...] (V, K as rows, an 8-bit pool's scales) or [blocks, Hkv, D/2, block_size, 2]
+// (K as words), contiguous: per block and head, A runs of B elements each hold the slot's values.
+void move_kv_slots_cpu(at::TensorList caches, const at::Tensor& moves) {
+  TORCH_CHECK(moves.scalar_type() == at::kLong && moves.dim() == 2 && moves.size(1) == 2 && moves.is_contiguous(),
+              "move_kv_slots: moves must be int64 [M, 2]");
+  const int64_t* mv = moves.data_ptr<int64_t>();
+  const int64_t M = moves.size(0);
+  for (const at::Tensor& c : caches) {
+    TORCH_CHECK(c.is_contiguous() && c.dim() >= 3 && c.dim() <= 5, "move_kv_slots: caches must be contiguous, 3-5 dims");
+    const int64_t slot_dim = c.dim() == 5 ? 3 : 2;
+    const int64_t bs = c.size(slot_dim), H = c.size(1), n = c.size(0);
+    int64_t A = 1, B = c.element_size();
+    for (int64_t d = 2; d < slot_dim; ++d) A *= c.size(d);
+    for (int64_t d = slot_dim + 1; d < c.dim(); ++d) B *= c.size(d);
+    char* base = static_cast<char*>(c.data_ptr());
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t s = mv[2 * m], d = mv[2 * m + 1];
+      TORCH_CHECK(s >= 0 && d >= 0 && s / bs < n && d / bs < n, "move_kv_slots: slot out of range");
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t a = 0; a < A; ++a) {
+          const int64_t run = ((h * A) + a) * bs;  // the run's first slot within its block
+          std::memcpy(base + (((d / bs) * H * A * bs) + run + d % bs) * B,
+                      base + (((s / bs) * H * A * bs) + run + s % bs) * B, B);
+        }
+    }
+  }
+}
+
 }  // namespace
 
 namespace pagoda_cpu {
@@ -308,6 +339,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
+  m.def("move_kv_slots_(Tensor(a!)[] caches, Tensor moves) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
@@ -315,4 +347,5 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("rope_", &rope_cpu);
   m.impl("silu_and_mul", &silu_and_mul_cpu);
   m.impl("write_kv_", &write_kv_cpu);
+  m.impl("move_kv_slots_", &move_kv_slots_cpu);
 }
