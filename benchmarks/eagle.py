@@ -4,6 +4,9 @@ prompts, `python -m benchmarks.eagle run --head DIR` measures.
 `python -m benchmarks.eagle train-step DIR` times train-eagle's optimizer step after the first epoch, the target's
 outputs kept against the target run for every batch, over a run's self-distilled data.
 
+`python -m benchmarks.eagle tree-moves --head DIR` times a draft tree's KV moves, one C++ call against the
+torch twin's indexed copies, in one engine at batch 1.
+
 `python -m benchmarks.eagle report --head DIR` prints train-eagle's acceptance report over the prompts `run`
 measures.
 
@@ -247,6 +250,51 @@ def train_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def tree_moves(args: argparse.Namespace) -> int:
+    """A draft tree's accepted nodes move to their positions' KV slots in every layer (ModelRunner.move_slots):
+    one C++ call over every cache against the torch twin's indexed copies, swapped into the same engine and
+    alternated round by round, batch 1 over the measured prompts. Prints one move's time and the decode rate."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.core.draft_tree import TokenTree
+    from pagoda.executor import model_runner
+    from pagoda.kernels import fused_ops
+
+    spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": len(TokenTree.parse(args.tree).paths),
+            "speculative_token_tree": args.tree, "quantization": args.head_quantization, "adaptive": False}
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="2GiB", max_num_seqs=1, speculative_config=spec)
+    runner = llm.engine.runner
+    ways = {"one call": fused_ops.move_kv_slots, "indexed copies": fused_ops.move_kv_slots_torch}
+    moves = [(runner.block_size + 3, 2), (runner.block_size + 5, 3)]  # two accepted nodes, one block apart
+    for name, move in ways.items():
+        model_runner.move_kv_slots = move
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            runner.move_slots(moves)
+            times.append(time.perf_counter() - t0)
+        print(f"{name}: {1e3 * statistics.median(times):.3f} ms to move 2 slots in "
+              f"{len(runner.kv_caches)} layers' K and V", flush=True)
+    convs = [_messages(t) for t in prompts("heldout")[:args.prompts]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    rates: dict[str, list[float]] = {name: [] for name in ways}
+    answers: dict[str, list[list[int]]] = {}
+    for _ in range(args.rounds):
+        for name, move in ways.items():
+            model_runner.move_kv_slots = move
+            t0, toks = time.perf_counter(), []
+            for c in convs:
+                toks += _timed(llm, [c], params)[1]
+            rates[name].append(sum(map(len, toks)) / (time.perf_counter() - t0))
+            answers[name] = toks
+    model_runner.move_kv_slots = fused_ops.move_kv_slots
+    paired = [a / b for a, b in zip(*rates.values())]
+    print(f"batch 1, {args.tree}: one call {statistics.median(rates['one call']):.1f} tok/s, indexed copies "
+          f"{statistics.median(rates['indexed copies']):.1f}; paired median {statistics.median(paired):.3f}x "
+          f"(rounds {min(paired):.3f}-{max(paired):.3f}x); tokens identical: "
+          f"{answers['one call'] == answers['indexed copies']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -289,12 +337,22 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--draft-vocab-size", type=int, default=8192)
     t.add_argument("--batches", type=int, default=6, help="batches of 4 sequences")
     t.add_argument("--rounds", type=int, default=2)
+    m = sub.add_parser("tree-moves", help="a draft tree's KV moves: one C++ call against indexed copies")
+    m.add_argument("--head", required=True, help="the EAGLE-3 head folder")
+    m.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    m.add_argument("--dtype", default="bfloat16")
+    m.add_argument("--head-quantization", default="int8", choices=["int8", "int4", "fp8"])
+    m.add_argument("--tree", default="[(0,), (1,), (2,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]")
+    m.add_argument("--prompts", type=int, default=12)
+    m.add_argument("--output-len", type=int, default=128)
+    m.add_argument("--rounds", type=int, default=8)
     args = p.parse_args(argv)
     if args.cmd == "corpus":
         with open(args.file, "w") as f:
             f.write("\n".join(prompts("train") + vocabulary_prompts(args.vocabulary_topics)) + "\n")
         return 0
-    return {"untrained": untrained, "run": run, "report": report, "train-step": train_step}[args.cmd](args)
+    return {"untrained": untrained, "run": run, "report": report, "train-step": train_step,
+            "tree-moves": tree_moves}[args.cmd](args)
 
 
 if __name__ == "__main__":
