@@ -282,7 +282,6 @@ void write_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
   }
 }
 
-
 // Copy single token slots (src -> dst, in order) in each paged cache: a verified draft tree's accepted nodes
 // to the slots of their positions. moves: int64 [M, 2] of slot numbers (block * block_size + offset). A cache is
 // [blocks, Hkv, block_size, ...] (V, K as rows, an 8-bit pool's scales) or [blocks, Hkv, D/2, block_size, 2]
