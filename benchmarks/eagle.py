@@ -4,6 +4,9 @@ prompts, `python -m benchmarks.eagle run --head DIR` measures.
 `python -m benchmarks.eagle train-step DIR` times train-eagle's optimizer step after the first epoch, the target's
 outputs kept against the target run for every batch, over a run's self-distilled data.
 
+`python -m benchmarks.eagle profile --head DIR` splits a batch-1 decode step's time, with and without the head:
+the target's forward, the head's passes and logits, and the rest.
+
 `python -m benchmarks.eagle tree-moves --head DIR` times a draft tree's KV moves, one C++ call against the
 torch twin's indexed copies, in one engine at batch 1.
 
@@ -250,6 +253,113 @@ def train_step(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Clock:
+    """Seconds and calls of wrapped callables (instance attributes, so other engines are untouched), per engine
+    step: a step whose target forward runs more than `max_tokens` tokens (a prompt's prefill) is not counted."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.tokens = 0  # emitted by the counted steps
+        self._step: dict[str, tuple[float, int]] = {}
+        self._prefill = False
+
+    def wrap(self, owner: object, attr: str, name: str, key=None) -> None:  # noqa: ANN001
+        inner = getattr(owner, attr)
+
+        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            out = inner(*a, **k)
+            n = name if key is None else key(a, k)
+            sec, calls = self._step.get(n, (0.0, 0))
+            self._step[n] = (sec + time.perf_counter() - t0, calls + 1)
+            return out
+
+        setattr(owner, attr, timed)
+
+    def wrap_step(self, engine: object, runner: object) -> None:
+        """The engine's step (outermost: it commits or drops what the step's wrapped calls measured) and the
+        runner's forward (which tells a prefill)."""
+        execute = runner.execute
+
+        def forward(sched, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self._prefill |= sched.total_tokens > self.max_tokens
+            return execute(sched, *a, **k)
+
+        runner.execute = forward
+        self.wrap(runner, "execute", "target forward and LM head")
+        inner = engine._step
+
+        def step():  # noqa: ANN202
+            self._step, self._prefill = {}, False
+            emitted = engine.stats.num_generated_tokens
+            t0 = time.perf_counter()
+            out = inner()
+            self._step["step"] = (time.perf_counter() - t0, 1)
+            if not self._prefill:
+                self.tokens += engine.stats.num_generated_tokens - emitted
+                for n, (sec, calls) in self._step.items():
+                    self.seconds[n] = self.seconds.get(n, 0.0) + sec
+                    self.calls[n] = self.calls.get(n, 0) + calls
+            return out
+
+        engine._step = step
+
+
+def profile(args: argparse.Namespace) -> int:
+    """Where a batch-1 decode step's time goes, without speculation and with a head (--tree: 'chain' or a
+    speculative_token_tree), over the measured prompts: milliseconds per decode step (prefills left out) of the
+    engine's step, the target's forward with its LM head, drafting and its parts. Each engine runs the prompts
+    once unmeasured first."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.core.draft_tree import TokenTree
+    from pagoda.spec_decode.head_proposer import HeadProposer
+
+    spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
+            "quantization": None if args.head_quantization == "none" else args.head_quantization, "adaptive": False}
+    if args.tree != "chain":
+        spec.update(speculative_token_tree=args.tree, num_speculative_tokens=len(TokenTree.parse(args.tree).paths))
+    convs = [_messages(t) for t in prompts("heldout")[:args.prompts]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    rows: list[tuple[str, dict[str, float], float]] = []
+    for name, cfg in (("no speculation", None), (f"EAGLE-3 {args.tree}, head {args.head_quantization}", spec)):
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="2GiB", max_num_seqs=1, speculative_config=cfg)
+        engine = llm.engine
+        for c in convs:  # unmeasured: every path warm
+            llm.chat([c], params, use_tqdm=False)
+        clock = _Clock(1 + (cfg["num_speculative_tokens"] if cfg else 0))
+        clock.wrap_step(engine, engine.runner)
+        if engine.speculator is not None:
+            clock.wrap(engine.speculator, "propose", "drafting")
+            drafter = engine.speculator.drafter
+            assert isinstance(drafter, HeadProposer)
+            clock.wrap(drafter, "_run", "", key=lambda a, k: "catch-up passes" if k.get("from_target", a[3:4] == [True])
+                       else "further passes")
+            clock.wrap(drafter.head, "logits", "head's logits")
+        for c in convs:
+            llm.chat([c], params, use_tqdm=False)
+        steps = clock.calls["step"]
+        per = {n: 1e3 * sec / steps for n, sec in clock.seconds.items()}
+        if "drafting" in per:
+            per["the rest of drafting"] = per["drafting"] - sum(per.get(n, 0.0) for n in (
+                "catch-up passes", "further passes", "head's logits"))
+        per["the rest of the step"] = per["step"] - per["target forward and LM head"] - per.get("drafting", 0.0)
+        rows.append((name, per, clock.tokens / steps))
+        print(f"{name}: {steps} decode steps, {clock.tokens / steps:.2f} tokens a step; passes a step: "
+              f"{clock.calls.get('further passes', 0) / steps:.2f} further, "
+              f"{clock.calls.get('catch-up passes', 0) / steps:.2f} catch-up", flush=True)
+        del llm, engine
+    order = ["step", "target forward and LM head", "drafting", "catch-up passes", "further passes",
+             "head's logits", "the rest of drafting", "the rest of the step"]
+    print(f"\n| ms per step | {' | '.join(name for name, _, _ in rows)} |")
+    print("|---|" + "---|" * len(rows))
+    for n in order:
+        print(f"| {n} | " + " | ".join(f"{per[n]:.2f}" if n in per else "" for _, per, _ in rows) + " |")
+    print("| tokens per step | " + " | ".join(f"{t:.2f}" for _, _, t in rows) + " |")
+    return 0
+
+
 def tree_moves(args: argparse.Namespace) -> int:
     """A draft tree's accepted nodes move to their positions' KV slots in every layer (ModelRunner.move_slots):
     one C++ call over every cache against the torch twin's indexed copies, swapped into the same engine and
@@ -337,6 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--draft-vocab-size", type=int, default=8192)
     t.add_argument("--batches", type=int, default=6, help="batches of 4 sequences")
     t.add_argument("--rounds", type=int, default=2)
+    f = sub.add_parser("profile", help="where a batch-1 step's time goes, with and without a head")
+    f.add_argument("--head", required=True, help="the EAGLE-3 head folder")
+    f.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    f.add_argument("--dtype", default="bfloat16")
+    f.add_argument("--head-quantization", default="int8", choices=["none", "int8", "int4", "fp8"])
+    f.add_argument("--tree", default="chain", help="'chain' (--k deep) or a speculative_token_tree")
+    f.add_argument("--k", type=int, default=4)
+    f.add_argument("--prompts", type=int, default=12)
+    f.add_argument("--output-len", type=int, default=128)
     m = sub.add_parser("tree-moves", help="a draft tree's KV moves: one C++ call against indexed copies")
     m.add_argument("--head", required=True, help="the EAGLE-3 head folder")
     m.add_argument("--model", default=None, help="the target (default: the embedded model)")
@@ -352,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write("\n".join(prompts("train") + vocabulary_prompts(args.vocabulary_topics)) + "\n")
         return 0
     return {"untrained": untrained, "run": run, "report": report, "train-step": train_step,
-            "tree-moves": tree_moves}[args.cmd](args)
+            "tree-moves": tree_moves, "profile": profile}[args.cmd](args)
 
 
 if __name__ == "__main__":
