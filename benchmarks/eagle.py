@@ -119,9 +119,20 @@ def _one_at_a_time(llm, convs, params) -> tuple[float, list[list[int]]]:  # noqa
     return sum(map(len, toks)) / (time.perf_counter() - t0), toks
 
 
+def _spec(head: str, k: int, tree: str, quantization: str, adaptive: bool) -> dict:
+    """The speculative_config of an EAGLE-3 engine: a chain k deep, or `tree` (a speculative_token_tree, which
+    sets num_speculative_tokens to its nodes); `quantization` "none" keeps the head's linears as stored."""
+    from pagoda.core.draft_tree import TokenTree
+
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k,
+            "quantization": None if quantization == "none" else quantization, "adaptive": adaptive}
+    if tree != "chain":
+        spec.update(speculative_token_tree=tree, num_speculative_tokens=len(TokenTree.parse(tree).paths))
+    return spec
+
+
 def run(args: argparse.Namespace) -> int:
     from pagoda import LLM, SamplingParams
-    from pagoda.core.draft_tree import TokenTree
 
     held = prompts("heldout")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
@@ -133,10 +144,7 @@ def run(args: argparse.Namespace) -> int:
         llms = {"plain": LLM(args.model, max_num_seqs=conc, **common)}
         # chains and draft trees, with the head as stored or quantized, each beside the same plain engine
         for tree, quant, adaptive in itertools.product(args.trees, args.head_quantization, args.adaptive):
-            spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
-                    "quantization": None if quant == "none" else quant, "adaptive": adaptive == "on"}
-            if tree != "chain":
-                spec.update(speculative_token_tree=tree, num_speculative_tokens=len(TokenTree.parse(tree).paths))
+            spec = _spec(args.head, args.k, tree, quant, adaptive == "on")
             name = ", ".join([tree] + [f"head {quant}"] * (len(args.head_quantization) > 1)
                              + [f"adaptive {adaptive}"] * (len(args.adaptive) > 1))
             llms[name] = LLM(args.model, max_num_seqs=conc, speculative_config=spec, **common)
@@ -315,13 +323,9 @@ def profile(args: argparse.Namespace) -> int:
     engine's step, the target's forward with its LM head, drafting and its parts. Each engine runs the prompts
     once unmeasured first."""
     from pagoda import LLM, SamplingParams
-    from pagoda.core.draft_tree import TokenTree
     from pagoda.spec_decode.head_proposer import HeadProposer
 
-    spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k,
-            "quantization": None if args.head_quantization == "none" else args.head_quantization, "adaptive": False}
-    if args.tree != "chain":
-        spec.update(speculative_token_tree=args.tree, num_speculative_tokens=len(TokenTree.parse(args.tree).paths))
+    spec = _spec(args.head, args.k, args.tree, args.head_quantization, adaptive=False)
     convs = [_messages(t) for t in prompts("heldout")[:args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     rows: list[tuple[str, dict[str, float], float]] = []
@@ -367,12 +371,10 @@ def tree_moves(args: argparse.Namespace) -> int:
     one C++ call over every cache against the torch twin's indexed copies, swapped into the same engine and
     alternated round by round, batch 1 over the measured prompts. Prints one move's time and the decode rate."""
     from pagoda import LLM, SamplingParams
-    from pagoda.core.draft_tree import TokenTree
     from pagoda.executor import model_runner
     from pagoda.kernels import fused_ops
 
-    spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": len(TokenTree.parse(args.tree).paths),
-            "speculative_token_tree": args.tree, "quantization": args.head_quantization, "adaptive": False}
+    spec = _spec(args.head, 0, args.tree, args.head_quantization, adaptive=False)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="2GiB", max_num_seqs=1, speculative_config=spec)
     runner = llm.engine.runner
     ways = {"one call": fused_ops.move_kv_slots, "indexed copies": fused_ops.move_kv_slots_torch}
@@ -405,6 +407,19 @@ def tree_moves(args: argparse.Namespace) -> int:
     return 0
 
 
+HEAD_QUANTIZATION = ["none", "int8", "int4", "fp8"]  # speculative_config.quantization; none: as stored
+
+
+def _measuring(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments every subcommand that measures a head over the held-out prompts takes."""
+    p.add_argument("--head", required=True, help="the EAGLE-3 head folder (pagoda train-eagle --output)")
+    p.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=12, help="held-out prompts (at batch 1)")
+    p.add_argument("--output-len", type=int, default=128)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -416,12 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("folder")
     u.add_argument("--model", default=None, help="the target (default: the embedded model)")
     u.add_argument("--draft-vocab-size", type=int, default=8192)
-    r = sub.add_parser("run", help="measure a head against no speculation")
-    r.add_argument("--head", required=True, help="the EAGLE-3 head folder (pagoda train-eagle --output)")
-    r.add_argument("--model", default=None, help="the target (default: the embedded model)")
-    r.add_argument("--dtype", default="bfloat16")
+    r = _measuring(sub.add_parser("run", help="measure a head against no speculation"))
     r.add_argument("--quantization", default=None, help="the target's weights (int8, int4, gguf, ...), as LLM takes")
-    r.add_argument("--head-quantization", nargs="+", default=["none"], choices=["none", "int8", "int4", "fp8"],
+    r.add_argument("--head-quantization", nargs="+", default=["none"], choices=HEAD_QUANTIZATION,
                    help="the head's linears (speculative_config.quantization), one engine each")
     r.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     r.add_argument("--adaptive", nargs="+", default=["on"], choices=["on", "off"],
@@ -429,16 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--trees", nargs="+", default=["chain"],
                    help="one EAGLE-3 engine each, measured beside the plain one: 'chain' (k deep), or a "
                         "speculative_token_tree such as '[(0,), (1,), (2,), (0, 0)]'")
-    r.add_argument("--prompts", type=int, default=12, help="held-out prompts at batch 1")
     r.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
-    r.add_argument("--output-len", type=int, default=128)
     r.add_argument("--rounds", type=int, default=4)
-    a = sub.add_parser("report", help="train-eagle's acceptance report over the prompts run measures")
-    a.add_argument("--head", required=True, help="the EAGLE-3 head folder")
-    a.add_argument("--model", default=None, help="the target (default: the embedded model)")
-    a.add_argument("--dtype", default="bfloat16")
-    a.add_argument("--prompts", type=int, default=12)
-    a.add_argument("--output-len", type=int, default=128)
+    a = _measuring(sub.add_parser("report", help="train-eagle's acceptance report over the prompts run measures"))
     a.add_argument("--k", type=int, default=4)
     t = sub.add_parser("train-step", help="train-eagle's step with the target's outputs kept against without")
     t.add_argument("folder", help="a train-eagle --output folder with data/self.jsonl")
@@ -447,23 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--draft-vocab-size", type=int, default=8192)
     t.add_argument("--batches", type=int, default=6, help="batches of 4 sequences")
     t.add_argument("--rounds", type=int, default=2)
-    f = sub.add_parser("profile", help="where a batch-1 step's time goes, with and without a head")
-    f.add_argument("--head", required=True, help="the EAGLE-3 head folder")
-    f.add_argument("--model", default=None, help="the target (default: the embedded model)")
-    f.add_argument("--dtype", default="bfloat16")
-    f.add_argument("--head-quantization", default="int8", choices=["none", "int8", "int4", "fp8"])
+    f = _measuring(sub.add_parser("profile", help="where a batch-1 step's time goes, with and without a head"))
+    f.add_argument("--head-quantization", default="int8", choices=HEAD_QUANTIZATION)
     f.add_argument("--tree", default="chain", help="'chain' (--k deep) or a speculative_token_tree")
     f.add_argument("--k", type=int, default=4)
-    f.add_argument("--prompts", type=int, default=12)
-    f.add_argument("--output-len", type=int, default=128)
-    m = sub.add_parser("tree-moves", help="a draft tree's KV moves: one C++ call against indexed copies")
-    m.add_argument("--head", required=True, help="the EAGLE-3 head folder")
-    m.add_argument("--model", default=None, help="the target (default: the embedded model)")
-    m.add_argument("--dtype", default="bfloat16")
-    m.add_argument("--head-quantization", default="int8", choices=["int8", "int4", "fp8"])
+    m = _measuring(sub.add_parser("tree-moves", help="a draft tree's KV moves: one C++ call against indexed copies"))
+    m.add_argument("--head-quantization", default="int8", choices=HEAD_QUANTIZATION)
     m.add_argument("--tree", default="[(0,), (1,), (2,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]")
-    m.add_argument("--prompts", type=int, default=12)
-    m.add_argument("--output-len", type=int, default=128)
     m.add_argument("--rounds", type=int, default=8)
     args = p.parse_args(argv)
     if args.cmd == "corpus":
